@@ -1,0 +1,35 @@
+# The README's two commands: `make demo` and `make test`. Each builds .venv first if needed.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megatron_md-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-slow test-multirank params gpu-smoke clean-runs
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml tools/setup_venv.sh
+	VENV=$(VENV) bash tools/setup_venv.sh
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/megatron-md demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+test-multirank: $(STAMP)
+	$(PY) -m pytest -m multirank $(PYTEST_ARGS)
+
+params: $(STAMP)
+	$(VENV)/bin/megatron-md params
+
+gpu-smoke: $(STAMP)
+	bash tools/gpu_smoke.sh
+
+clean-runs:
+	@echo "runs/ holds your runs and checkpoints; remove it by hand if you mean it."
