@@ -1,0 +1,187 @@
+"""Build a megatron-core GPTModel (dense or MoE) from a resolved ModelConfig.
+
+Transformer Engine's layer spec is used when TE imports (or when forced with
+``--transformer-impl transformer_engine``); otherwise megatron-core's local spec, with
+``TorchNorm`` in place of megatron's torch norm so sequence parallelism (needed by MoE+TP)
+works without TE or Apex.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_md.models.layers import SublayerOutput, TorchNorm
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE raises more than ImportError when its CUDA libraries are missing
+        return False
+    return True
+
+
+def use_transformer_engine(impl: str, cpu: bool) -> bool:
+    if impl == "local" or cpu:
+        if impl == "transformer_engine" and cpu:
+            raise ValueError(
+                "--transformer-impl transformer_engine needs CUDA; use --transformer-impl local "
+                "(or auto) with --device cpu"
+            )
+        return False
+    if impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise ValueError(
+                "--transformer-impl transformer_engine: transformer_engine does not import; "
+                "install the 'gpu' extra (pip install 'megatron-md[gpu]') or use --transformer-impl local"
+            )
+        return True
+    return transformer_engine_available()
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(model_cfg, parallel_cfg, *, bf16: bool, cpu: bool) -> TransformerConfig:
+    m, p = model_cfg, parallel_cfg
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        add_bias_linear=not m.disable_bias_linear,
+        qk_layernorm=m.qk_layernorm,
+        init_method_std=m.init_method_std,
+        attention_dropout=m.attention_dropout,
+        hidden_dropout=m.hidden_dropout,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        # CPU: initialise the full master weight on CPU so the init is TP-size independent,
+        # and keep every fused CUDA kernel off.
+        use_cpu_initialization=cpu,
+        masked_softmax_fusion=not cpu,
+        bias_dropout_fusion=not cpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+    if m.num_experts:
+        kwargs.update(
+            num_moe_experts=m.num_experts,
+            moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+            moe_grouped_gemm=m.moe_grouped_gemm,
+            moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+            moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        )
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(model_cfg, config: TransformerConfig, *, use_te: bool) -> tuple[ModuleSpec, type]:
+    """The per-layer spec and the norm class used for the final and sandwich norms."""
+    m = model_cfg
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=m.num_experts, moe_grouped_gemm=m.moe_grouped_gemm, qk_layernorm=m.qk_layernorm
+        )
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        norm = TENorm
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=m.num_experts,
+            moe_grouped_gemm=m.moe_grouped_gemm,
+            qk_layernorm=m.qk_layernorm,
+            normalization=m.normalization,
+        )
+        norm = TorchNorm
+        spec.submodules.input_layernorm = TorchNorm
+        spec.submodules.pre_mlp_layernorm = TorchNorm
+        if m.qk_layernorm:
+            attn = spec.submodules.self_attention.submodules
+            attn.q_layernorm = attn.k_layernorm = TorchNorm
+    if m.sandwich_norm or m.layer_scale:
+        out = ModuleSpec(
+            module=SublayerOutput,
+            params=dict(
+                config=config,
+                norm=norm if m.sandwich_norm else None,
+                scale=1.0 / m.num_layers if m.layer_scale else 1.0,
+            ),
+        )
+        spec.submodules.self_attn_bda = out
+        spec.submodules.mlp_bda = out
+    return spec, norm
+
+
+def build_model(
+    run_cfg,
+    vocab_size: int,
+    *,
+    cpu: bool,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+) -> GPTModel:
+    """Build this pipeline stage's GPTModel. ``vocab_size`` must already be padded."""
+    m = run_cfg.model
+    config = transformer_config(m, run_cfg.parallel, bf16=run_cfg.training.bf16, cpu=cpu)
+    use_te = use_transformer_engine(m.transformer_impl, cpu)
+    spec, norm = layer_spec(m, config, use_te=use_te)
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm
+    )
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=vocab_size,
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        rotary_base=m.rotary_base,
+    )
+    if m.embedding_scale and pre_process:
+        scale = math.sqrt(m.hidden_size)
+        model.embedding.register_forward_hook(lambda _mod, _inp, out: out * scale)
+    model.megatron_md_uses_te = use_te
+    return model

@@ -1,0 +1,158 @@
+"""Named model shapes and their parameter counts.
+
+A preset is a plain dict of ModelConfig field overrides (see ``training/config.py``); the
+builder turns a resolved ModelConfig into a megatron-core GPTModel. The dense series is the
+MD paper's width ladder (12 layers, kv_channels 128, heads = hidden/128, GQA with
+heads/2 groups, SwiGLU 4x, RMSNorm, QK-norm, RoPE, untied embeddings, no biases,
+vocab 131072); ``--hidden-size`` on any preset rescales heads and FFN so width families
+for LR-transfer sweeps keep the same shape ratios.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+_PAPER_DENSE = dict(
+    num_layers=12,
+    kv_channels=128,
+    ffn_ratio=4.0,
+    query_group_ratio=0.5,
+    seq_length=1024,
+    max_position_embeddings=1024,
+    vocab_size=131072,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    untie_embeddings_and_output_weights=True,
+    disable_bias_linear=True,
+    qk_layernorm=True,
+)
+
+PRESETS: dict[str, dict] = {
+    # Seconds per step on 2 CPU cores: for tests, the demo and debugging layouts.
+    "tiny-dense": dict(
+        _PAPER_DENSE,
+        num_layers=2,
+        hidden_size=64,
+        kv_channels=16,
+        seq_length=64,
+        max_position_embeddings=64,
+        vocab_size=4096,
+    ),
+    "tiny-moe": dict(
+        _PAPER_DENSE,
+        num_layers=2,
+        hidden_size=64,
+        kv_channels=16,
+        seq_length=64,
+        max_position_embeddings=64,
+        vocab_size=4096,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_ratio=2.0,
+    ),
+    # The MD paper's width series (names are total parameter counts at vocab 131072).
+    "dense-181m": dict(_PAPER_DENSE, hidden_size=512),
+    "dense-307m": dict(_PAPER_DENSE, hidden_size=768),
+    "dense-457m": dict(_PAPER_DENSE, hidden_size=1024),
+    "dense-827m": dict(_PAPER_DENSE, hidden_size=1536),
+    "dense-1.29b": dict(_PAPER_DENSE, hidden_size=2048),
+    # MoE family: fine-grained experts, top-k routing with aux-loss balancing.
+    "moe-1.1b": dict(
+        _PAPER_DENSE,
+        hidden_size=1024,
+        num_experts=16,
+        moe_router_topk=2,
+        moe_ffn_ratio=1.0,
+    ),
+    "moe-2.9b": dict(
+        _PAPER_DENSE,
+        num_layers=16,
+        hidden_size=1536,
+        num_experts=32,
+        moe_router_topk=4,
+        moe_ffn_ratio=0.5,
+    ),
+    # OLMoE-like: 16 layers, hidden 2048, 64 experts of ffn 960, top-8.
+    "moe-6.7b": dict(
+        _PAPER_DENSE,
+        num_layers=16,
+        hidden_size=2048,
+        num_experts=64,
+        moe_router_topk=8,
+        moe_ffn_ratio=0.46875,
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def get_preset(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(
+            f"--model {name!r} is not a known preset; choose one of: {', '.join(PRESETS)}"
+        )
+    return copy.deepcopy(PRESETS[name])
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int
+    embedding: int  # input embedding + untied output layer
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def count_parameters(cfg) -> ParamCounts:
+    """Closed-form parameter count of the model a ModelConfig builds (no TP padding).
+
+    ``cfg`` needs the resolved ModelConfig attributes (hidden_size, num_attention_heads, ...).
+    The test in tests/models checks this against a built model.
+    """
+    h = cfg.hidden_size
+    heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    bias = 0 if cfg.disable_bias_linear else 1
+    attn = h * d * (heads + 2 * groups) + bias * d * (heads + 2 * groups)
+    attn += heads * d * h + bias * h
+    norm_w = 1 if cfg.normalization == "RMSNorm" else 2  # LayerNorm has a bias
+    norms = 2 * norm_w * h  # input + pre-MLP norm
+    if cfg.qk_layernorm:
+        norms += 2 * norm_w * d
+    if cfg.sandwich_norm:
+        norms += 2 * norm_w * h
+
+    def mlp_params(ffn: int) -> int:
+        up = (2 if cfg.swiglu else 1) * ffn
+        return h * up + ffn * h + bias * (up + h)
+
+    if cfg.num_experts:
+        expert = mlp_params(cfg.moe_ffn_hidden_size)
+        router = cfg.num_experts * h
+        mlp_total = cfg.num_experts * expert + router
+        mlp_active = cfg.moe_router_topk * expert + router
+    else:
+        mlp_total = mlp_active = mlp_params(cfg.ffn_hidden_size)
+
+    layers = cfg.num_layers
+    embedding = cfg.vocab_size * h
+    if cfg.position_embedding_type == "learned_absolute":
+        embedding += cfg.max_position_embeddings * h
+    if cfg.untie_embeddings_and_output_weights:
+        embedding += cfg.vocab_size * h
+    final_norm = norm_w * h
+    total = layers * (attn + norms + mlp_total) + embedding + final_norm
+    active = layers * (attn + norms + mlp_active) + embedding + final_norm
+    return ParamCounts(total=total, active=active, embedding=embedding)
+
+
+def human(n: int) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
