@@ -1,0 +1,220 @@
+"""``megatron-md`` command line: train, params, score, demo."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_md.training import config as C
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_launcher() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def relaunch(nproc: int, argv: list[str]) -> int:
+    """Re-run this command under torch's elastic launcher with ``nproc`` local processes."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "megatron_md.cli", *argv,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.call(cmd, env=env)
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc-per-node":
+            skip = True
+            continue
+        if a.startswith("--nproc-per-node="):
+            continue
+        out.append(a)
+    return out
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megatron-md train",
+        description="Train a megatron-core GPT/MoE model. Flags use Megatron-LM names.",
+    )
+    p.add_argument("--config", help="YAML file of settings (sections or flat flag names).")
+    p.add_argument("--model", help="Preset name (see `megatron-md params`).")
+    C.add_arguments(p)
+    return p
+
+
+def quiet_megatron() -> None:
+    """Hide megatron-core's import-time chatter (deprecations, missing-Apex fallbacks)."""
+    import logging
+    import warnings
+
+    for cat in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=cat, module=r"megatron\.")
+        warnings.filterwarnings("ignore", category=cat, module=r"torch\.")
+    for name in ("megatron.core.models.gpt.gpt_model", "megatron.core.datasets",
+                 "megatron.core.dist_checkpointing.strategies.torch", "torch.utils.cpp_extension"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def cmd_train(argv: list[str]) -> int:
+    quiet_megatron()
+    args = vars(_train_parser().parse_args(argv))
+    yaml_path = args.pop("config", None)
+    try:
+        cfg = C.resolve(None, yaml_path, args)
+        from megatron_md.training.validate import ConfigError, validate_config
+
+        nproc = cfg.training.nproc_per_node
+        world = int(os.environ.get("WORLD_SIZE", nproc))
+        validate_config(cfg, world)
+        if cfg.data.data_path and not cfg.data.mock_data:
+            from megatron_md.training.data import validate_data
+
+            validate_data(
+                cfg.data.data_path, cfg.data.split, cfg.model.seq_length, cfg.data.tokenizer_model, False
+            )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-md train: error: {e}", file=sys.stderr)
+        return 2
+    if nproc > 1 and not under_launcher():
+        return relaunch(nproc, ["train", *_strip_nproc(argv)])
+    from megatron_md.training.trainer import TrainingStopped, run
+
+    try:
+        run(cfg)
+    except TrainingStopped as e:
+        print(f"megatron-md train: {e}", file=sys.stderr)
+        return 3
+    except ConfigError as e:
+        print(f"megatron-md train: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        from megatron_md.runtime.distributed import destroy_distributed
+
+        destroy_distributed()
+    return 0
+
+
+def cmd_params(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megatron-md params", description="Parameter counts of presets.")
+    p.add_argument("--model", help="One preset (default: all).")
+    p.add_argument("--hidden-size", type=int, help="Rescale the preset's width.")
+    a = p.parse_args(argv)
+    from megatron_md.models.presets import count_parameters, human, preset_names
+
+    names = [a.model] if a.model else preset_names()
+    rows = []
+    for name in names:
+        cli = {"hidden_size": a.hidden_size} if a.hidden_size else {}
+        try:
+            cfg = C.resolve(name, None, cli)
+        except ValueError as e:
+            print(f"megatron-md params: error: {e}", file=sys.stderr)
+            return 2
+        m = cfg.model
+        n = count_parameters(m)
+        shape = f"L{m.num_layers} h{m.hidden_size} heads{m.num_attention_heads}/{m.num_query_groups}"
+        shape += f" E{m.num_experts}top{m.moe_router_topk}" if m.num_experts else f" ffn{m.ffn_hidden_size}"
+        rows.append((name, human(n.total), human(n.active), human(n.embedding), shape))
+    header = ("preset", "total", "active", "embedding", "shape")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(5)]
+    for r in [header] + rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_score(argv: list[str]) -> int:
+    quiet_megatron()
+    p = argparse.ArgumentParser(
+        prog="megatron-md score", description="Mean token loss of text under a checkpoint."
+    )
+    p.add_argument("--load", required=True, help="Checkpoint directory (with latest_checkpointed_iteration.txt).")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--text", help="Text to score.")
+    g.add_argument("--text-file", help="File whose text to score.")
+    g.add_argument(
+        "--validation", action="store_true",
+        help="Score the run's validation batches (reproduces the trainer's final eval loss).",
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    a = p.parse_args(argv)
+    from megatron_md.training.score import score_main
+
+    try:
+        return score_main(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-md score: error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_demo(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megatron-md demo", description="Train tiny-moe with EP=2 on 2 CPU ranks.")
+    p.add_argument("--work-dir", default="runs/demo", help="Where data, checkpoint and run go.")
+    p.add_argument("--config", default=None, help="Demo config (default examples/tiny_moe_cpu_demo.yaml).")
+    a, rest = p.parse_known_args(argv)
+    from megatron_md.training.data import prepare_demo_data
+
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"[demo] preparing the embedded corpus and its tokenizer in {work / 'data'}", flush=True)
+    prefix, tok = prepare_demo_data(work / "data")
+    cfg_path = a.config or str(Path(__file__).resolve().parent.parent / "examples" / "tiny_moe_cpu_demo.yaml")
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = work / f"run-{stamp}"
+    save = work / f"checkpoints-{stamp}"
+    args = [
+        "--config", cfg_path, "--data-path", prefix, "--tokenizer-model", tok,
+        "--run-dir", str(run_dir), "--save", str(save), *rest,
+    ]
+    print(f"[demo] megatron-md train {' '.join(args)}", flush=True)
+    rc = cmd_train(args)
+    if rc == 0:
+        import json
+
+        recs = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        train = [r["lm_loss"] for r in recs if r.get("lm_loss") is not None]
+        evals = [r["eval_lm_loss"] for r in recs if "eval_lm_loss" in r]
+        verdict = "falls" if train[-1] < train[0] else "DID NOT FALL"
+        print(f"[demo] lm loss {verdict}: {train[0]:.3f} -> {train[-1]:.3f} (validation {evals[-1]:.3f})")
+        if train[-1] >= train[0]:
+            rc = 1
+        print(f"[demo] run directory: {run_dir.resolve()}")
+        print(f"[demo] metrics:       {(run_dir / 'metrics.jsonl').resolve()}")
+        print(f"[demo] checkpoint:    {save.resolve()}")
+        print(f"[demo] try: megatron-md score --load {save} --text 'The for statement in Python'")
+    return rc
+
+
+COMMANDS = {"train": cmd_train, "params": cmd_params, "score": cmd_score, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: megatron-md {train,params,score,demo} [options]   (megatron-md CMD --help)")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

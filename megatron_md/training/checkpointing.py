@@ -1,0 +1,182 @@
+"""Checkpoints through megatron.core.dist_checkpointing (torch_dist), written atomically.
+
+Layout (Megatron's): ``SAVE/iter_0000100/`` holding the sharded tensors, a human-readable
+``run_config.yaml`` and the tokenizer model, plus ``SAVE/latest_checkpointed_iteration.txt``.
+A save goes to ``iter_XXXXXXX.partial`` and is renamed only after every rank finished, and the
+``latest`` file is replaced last, so a run killed mid-save leaves the previous checkpoint
+loadable. Existing checkpoints are never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+LATEST = "latest_checkpointed_iteration.txt"
+RUN_CONFIG = "run_config.yaml"
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def iter_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    f = Path(root) / LATEST
+    if not f.exists():
+        return None
+    text = f.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{f}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(model, optimizer, *, is_loading: bool, with_optim: bool, with_rng: bool) -> dict:
+    model_sd = unwrap(model).sharded_state_dict()
+    state: dict[str, Any] = {"model": model_sd}
+    if with_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=OPTIM_METADATA
+        )
+    if with_rng:
+        # One object per global rank; restored only when the world size is unchanged.
+        state["rng_state"] = ShardedObject(
+            "rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),), replica_id=0
+        )
+    return state
+
+
+def save_checkpoint(
+    root: str | Path,
+    iteration: int,
+    model,
+    optimizer,
+    scheduler,
+    *,
+    consumed_samples: int,
+    run_config_yaml: str,
+    tokenizer_model: str | None,
+    extra: dict | None = None,
+) -> Path:
+    """Save atomically; returns the final ``iter_`` directory."""
+    root = Path(root)
+    final = iter_dir(root, iteration)
+    partial = final.with_name(final.name + ".partial")
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if partial.exists():  # left by a run killed mid-save: never a valid checkpoint
+            shutil.rmtree(partial)
+        partial.mkdir()
+    dist.barrier()
+    state = _sharded_state(model, optimizer, is_loading=False, with_optim=True, with_rng=True)
+    state.update(
+        iteration=iteration,
+        consumed_samples=consumed_samples,
+        scheduler=scheduler.state_dict(),
+        world_size=dist.get_world_size(),
+        extra=extra or {},
+    )
+    dist_checkpointing.save(state, str(partial))
+    dist.barrier()
+    if rank == 0:
+        (partial / RUN_CONFIG).write_text(run_config_yaml)
+        if tokenizer_model:
+            shutil.copy2(tokenizer_model, partial / "tokenizer.model")
+        if final.exists():  # keep, never overwrite, what was there
+            final.rename(final.with_name(f"{final.name}.old-{int(time.time())}"))
+        partial.rename(final)
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(f"{iteration}\n")
+        os.replace(tmp, root / LATEST)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(
+    root: str | Path,
+    model,
+    optimizer=None,
+    scheduler=None,
+    *,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    iteration: int | None = None,
+) -> dict:
+    """Load model (and optimizer, scheduler, RNG) in place; returns the common state."""
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            raise FileNotFoundError(f"--load {root}: no {LATEST} found there")
+    path = iter_dir(root, iteration)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--load {root}: {path.name} is listed as latest but missing")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    same_world = common.get("world_size") == dist.get_world_size()
+    with_optim = load_optim and optimizer is not None
+    state = _sharded_state(
+        model, optimizer, is_loading=True, with_optim=with_optim, with_rng=load_rng and same_world
+    )
+    loaded = dist_checkpointing.load(state, str(path))
+    unwrap(model).load_state_dict(loaded["model"])
+    if with_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and load_optim:
+        scheduler.load_state_dict(common["scheduler"])
+    if "rng_state" in loaded:
+        _set_rng_state(loaded["rng_state"])
+    common["path"] = str(path)
+    common["rng_restored"] = "rng_state" in loaded
+    return common
+
+
+def read_run_config(ckpt_root: str | Path, iteration: int | None = None) -> tuple[str, Path]:
+    """The run_config.yaml text stored beside a checkpoint, and that checkpoint's directory."""
+    if iteration is None:
+        iteration = latest_iteration(ckpt_root)
+        if iteration is None:
+            raise FileNotFoundError(f"--load {ckpt_root}: no {LATEST} there")
+    path = iter_dir(ckpt_root, iteration)
+    cfg = path / RUN_CONFIG
+    if not cfg.exists():
+        raise FileNotFoundError(f"--load {ckpt_root}: {cfg} is missing")
+    return cfg.read_text(), path
+

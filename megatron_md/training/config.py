@@ -1,0 +1,354 @@
+"""Typed run configuration: dataclasses that generate Megatron-named flags and read YAML.
+
+Precedence when resolving a run: dataclass defaults < ``--model`` preset < ``--config`` YAML
+< command-line flags. Every field ``foo_bar`` is the flag ``--foo-bar``; booleans also get
+``--no-foo-bar``. The field's ``help`` metadata is the flag's help text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+def opt(default, help: str, choices=None, nargs=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "nargs": nargs})
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = opt(2, "Transformer layers.")
+    hidden_size: int = opt(64, "Model width; with a preset, heads and FFN rescale with it.")
+    num_attention_heads: Optional[int] = opt(None, "Attention heads (default hidden/kv-channels).")
+    num_query_groups: Optional[int] = opt(None, "GQA groups (default heads*query-group-ratio).")
+    kv_channels: int = opt(128, "Per-head dimension.")
+    query_group_ratio: float = opt(1.0, "Query groups per head when --num-query-groups is unset.")
+    ffn_hidden_size: Optional[int] = opt(None, "MLP width (default ffn-ratio*hidden).")
+    ffn_ratio: float = opt(4.0, "MLP width / hidden when --ffn-hidden-size is unset.")
+    seq_length: int = opt(1024, "Training sequence length.")
+    max_position_embeddings: Optional[int] = opt(None, "Max positions (default seq-length).")
+    vocab_size: int = opt(131072, "Vocabulary size when no tokenizer fixes it (mock data).")
+    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this x TP.")
+    position_embedding_type: str = opt("rope", "Positions.", ["rope", "learned_absolute", "none"])
+    rotary_base: int = opt(10000, "RoPE base.")
+    normalization: str = opt("RMSNorm", "Norm layer.", ["RMSNorm", "LayerNorm"])
+    norm_epsilon: float = opt(1e-5, "Norm epsilon.")
+    swiglu: bool = opt(True, "SwiGLU MLP (gated SiLU).")
+    untie_embeddings_and_output_weights: bool = opt(True, "Separate input embedding and LM head.")
+    disable_bias_linear: bool = opt(True, "No biases in linear layers.")
+    qk_layernorm: bool = opt(True, "Normalise queries and keys per head (QK-norm).")
+    init_method_std: float = opt(0.02, "Std of the normal weight init.")
+    attention_dropout: float = opt(0.0, "Attention dropout.")
+    hidden_dropout: float = opt(0.0, "Hidden dropout.")
+    sandwich_norm: bool = opt(False, "MD paper option: norm each sublayer output before the add.")
+    layer_scale: bool = opt(False, "MD paper option: scale each sublayer output by 1/num-layers.")
+    embedding_scale: bool = opt(False, "MD paper option: multiply embeddings by sqrt(hidden).")
+    num_experts: Optional[int] = opt(None, "MoE experts per layer (unset: dense).")
+    moe_router_topk: int = opt(2, "Experts per token.")
+    moe_ffn_hidden_size: Optional[int] = opt(None, "Expert MLP width (default moe-ffn-ratio*h).")
+    moe_ffn_ratio: float = opt(1.0, "Expert width / hidden when --moe-ffn-hidden-size is unset.")
+    moe_grouped_gemm: bool = opt(False, "Grouped GEMM experts (GPU).")
+    moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch.", ["allgather", "alltoall"])
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss", "Router balancing.", ["aux_loss", "seq_aux_loss", "sinkhorn", "none"]
+    )
+    moe_aux_loss_coeff: float = opt(1e-2, "Weight of the load-balancing loss.")
+    transformer_impl: str = opt(
+        "auto", "Layer spec: TE when it imports (auto), or forced.",
+        ["auto", "local", "transformer_engine"],
+    )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = opt(1, "Tensor parallel size (TP).")
+    pipeline_model_parallel_size: int = opt(1, "Pipeline stages (PP).")
+    expert_model_parallel_size: int = opt(1, "Expert parallel size (EP).")
+    expert_tensor_parallel_size: Optional[int] = opt(None, "TP inside experts (default: TP).")
+    sequence_parallel: bool = opt(False, "Sequence parallelism (needs TP>1; required by MoE+TP).")
+    use_distributed_optimizer: bool = opt(False, "Shard optimizer state over data parallel.")
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = opt("adam", "Optimizer.", ["adam", "muon"])
+    lr: float = opt(3e-4, "Peak learning rate.")
+    min_lr: float = opt(0.0, "Final learning rate.")
+    lr_decay_style: str = opt(
+        "cosine", "LR schedule after warmup.", ["constant", "linear", "cosine", "WSD"]
+    )
+    lr_warmup_iters: int = opt(0, "Linear warmup iterations (0 allowed).")
+    lr_decay_iters: Optional[int] = opt(None, "Decay horizon (default: train-iters).")
+    lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: final decay iterations.")
+    lr_wsd_decay_style: str = opt("linear", "WSD decay shape.", ["linear", "cosine", "exponential"])
+    weight_decay: float = opt(0.01, "Decoupled weight decay.")
+    clip_grad: float = opt(1.0, "Global gradient-norm clip (0 disables).")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.95, "Adam beta2.")
+    adam_eps: float = opt(1e-8, "Adam epsilon.")
+    muon_momentum: float = opt(0.95, "Muon momentum.")
+    muon_nesterov: bool = opt(True, "Nesterov momentum for Muon.")
+    muon_scale_mode: str = opt(
+        "spectral", "Muon update scale.", ["spectral", "unit_rms_norm", "shape_scaling"]
+    )
+    muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations.")
+    muon_tp_mode: str = opt(
+        "duplicated",
+        "How Muon orthogonalises TP shards; 'blockwise' makes the update depend on TP size.",
+        ["duplicated", "distributed", "blockwise"],
+    )
+    muon_extra_scale_factor: float = opt(1.0, "Extra multiplier on the Muon update.")
+    muon_fp32_matmul_prec: str = opt("medium", "fp32 matmul precision in NS.", ["medium", "high", "highest"])
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = opt(1, "Sequences per micro-batch per data-parallel rank.")
+    global_batch_size: Optional[int] = opt(None, "Sequences per step (default: micro x DP).")
+    train_iters: int = opt(100, "Optimizer steps (0 with --save writes a seed checkpoint).")
+    eval_interval: Optional[int] = opt(None, "Evaluate every N steps (unset: only at the end).")
+    eval_iters: int = opt(4, "Validation batches per evaluation.")
+    seed: int = opt(1234, "Random seed.")
+    bf16: bool = opt(False, "bf16 parameters with fp32 master weights.")
+    device: str = opt("auto", "cuda, cpu, or auto (cpu when CUDA is absent).", ["auto", "cuda", "cpu"])
+    max_consecutive_skips: int = opt(
+        10, "Stop after this many consecutive steps skipped for non-finite loss or gradient."
+    )
+    inject_nan_at: Optional[int] = opt(None, "Testing aid: make the loss NaN from this iteration on.")
+    inject_nan_iters: int = opt(1, "Testing aid: for this many iterations.")
+    nproc_per_node: int = opt(1, "Processes to launch on this node (torch elastic) when >1.")
+    exit_interval: Optional[int] = opt(None, "Stop cleanly (with a save) after this iteration.")
+
+
+@dataclass
+class DataConfig:
+    data_path: Optional[list[str]] = opt(
+        None, "Indexed dataset prefix, or a blend 'W1 P1 W2 P2 ...'.", nargs="+"
+    )
+    split: str = opt("969,30,1", "Train,valid,test proportions.")
+    mock_data: bool = opt(False, "Random tokens instead of a dataset.")
+    tokenizer_type: str = opt(
+        "SentencePieceTokenizer", "Tokenizer.", ["SentencePieceTokenizer", "NullTokenizer"]
+    )
+    tokenizer_model: Optional[str] = opt(None, "SentencePiece .model file.")
+    data_cache_path: Optional[str] = opt(None, "Where GPTDataset caches its indices.")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = opt(None, "Checkpoint directory to write.")
+    load: Optional[str] = opt(None, "Checkpoint directory to resume from.")
+    save_interval: Optional[int] = opt(None, "Save every N steps (and always at the end).")
+    pretrained_checkpoint: Optional[str] = opt(
+        None, "Start from these model weights (no optimizer, iteration 0), e.g. a seed checkpoint."
+    )
+    no_load_optim: bool = opt(False, "Resume weights but not optimizer state.")
+    no_load_rng: bool = opt(False, "Do not restore RNG states.")
+    ckpt_format: str = opt("torch_dist", "Checkpoint format.", ["torch_dist"])
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = opt(10, "Steps between log lines and metrics.jsonl records.")
+    run_dir: Optional[str] = opt(None, "Run directory (default runs/<time>-<model>).")
+    tensorboard_dir: Optional[str] = opt(None, "TensorBoard dir (default <run-dir>/tensorboard).")
+    wandb_project: Optional[str] = opt(None, "W&B project; set it to log online.")
+    wandb_exp_name: Optional[str] = opt(None, "W&B run name.")
+    wandb_save_dir: Optional[str] = opt(None, "W&B files (default <run-dir>).")
+    wandb_mode: Optional[str] = opt(
+        None, "W&B mode (default offline, online with a project).", ["offline", "online", "disabled"]
+    )
+    progress_bar: Optional[bool] = opt(None, "Show a progress bar (default: when stderr is a tty).")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimConfig = field(default_factory=OptimConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    preset: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        cfg = cls(preset=d.get("preset"))
+        apply_overrides(cfg, {k: v for k, v in d.items() if k != "preset"}, source="dict")
+        return cfg
+
+
+# ----------------------------------------------------------------------------- field index
+
+def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    index = {}
+    for section, klass in SECTIONS.items():
+        for f in dataclasses.fields(klass):
+            assert f.name not in index, f"duplicate config field {f.name}"
+            index[f.name] = (section, f)
+    return index
+
+
+FIELDS = _field_index()
+
+
+def _base_type(tp) -> type:
+    if isinstance(tp, str):
+        tp = eval(tp, {"Optional": Optional, "list": list})  # noqa: S307 (our own annotations)
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is list:
+        return list
+    return tp
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    _, f = FIELDS[name]
+    if value is None:
+        return None
+    base = _base_type(f.type)
+    try:
+        if base is bool:
+            if isinstance(value, str):
+                if value.lower() in ("true", "1", "yes"):
+                    return True
+                if value.lower() in ("false", "0", "no"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if base is list:
+            return [str(v) for v in (value.split() if isinstance(value, str) else value)]
+        if base is int and isinstance(value, float) and value != int(value):
+            raise ValueError(value)
+        value = base(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{source}: {flag(name)} expects {base.__name__}, got {value!r}"
+        ) from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{source}: {flag(name)} must be one of {choices}, got {value!r}")
+    return value
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def apply_overrides(cfg: RunConfig, overrides: dict, source: str) -> None:
+    """Set fields from a flat {field: value} or sectioned {section: {field: value}} mapping."""
+    for key, value in overrides.items():
+        if key in SECTIONS and isinstance(value, dict):
+            apply_overrides(cfg, value, source)
+            continue
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise ValueError(f"{source}: unknown setting {key!r} (no flag {flag(name)})")
+        section, _ = FIELDS[name]
+        setattr(getattr(cfg, section), name, _coerce(name, value, source))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field; defaults are SUPPRESS so we know what the user typed."""
+    for section, klass in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(klass):
+            base = _base_type(f.type)
+            default = f.default
+            help_text = f.metadata.get("help", "")
+            if default not in (None, dataclasses.MISSING):
+                help_text += f" [default: {default}]"
+            if base is bool:
+                group.add_argument(
+                    flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS, help=help_text,
+                )
+            else:
+                group.add_argument(
+                    flag(f.name), dest=f.name, default=argparse.SUPPRESS,
+                    type=str if base is list else base, help=help_text,
+                    choices=f.metadata.get("choices"), nargs=f.metadata.get("nargs"),
+                )
+
+
+def load_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--config {path}: file not found")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of settings at the top level")
+    return data
+
+
+def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict) -> RunConfig:
+    """Build a RunConfig from preset, YAML and CLI values, then derive dependent sizes."""
+    from megatron_md.models.presets import get_preset
+
+    file_values = load_yaml(yaml_path) if yaml_path else {}
+    preset = cli.pop("model", None) or preset or file_values.pop("preset", None)
+    file_values.pop("preset", None)
+    cfg = RunConfig(preset=preset)
+    if preset:
+        apply_overrides(cfg, get_preset(preset), f"preset {preset}")
+    apply_overrides(cfg, file_values, f"--config {yaml_path}")
+    explicit = set(cli)
+    apply_overrides(cfg, cli, "command line")
+    derive_sizes(cfg.model, explicit)
+    return cfg
+
+
+def derive_sizes(m: ModelConfig, explicit: set[str] = frozenset()) -> None:
+    """Fill heads, groups and FFN widths from hidden size and the shape ratios."""
+    if m.num_attention_heads is None or ("hidden_size" in explicit and "num_attention_heads" not in explicit):
+        if m.hidden_size % m.kv_channels:
+            raise ValueError(
+                f"--hidden-size {m.hidden_size} is not a multiple of --kv-channels {m.kv_channels}; "
+                "pick a width that is, or set --num-attention-heads explicitly"
+            )
+        m.num_attention_heads = m.hidden_size // m.kv_channels
+    if m.num_query_groups is None or ("num_query_groups" not in explicit and "hidden_size" in explicit):
+        m.num_query_groups = max(1, int(round(m.num_attention_heads * m.query_group_ratio)))
+    if m.ffn_hidden_size is None or ("ffn_hidden_size" not in explicit and "hidden_size" in explicit):
+        m.ffn_hidden_size = int(round(m.ffn_ratio * m.hidden_size))
+    if m.num_experts and (
+        m.moe_ffn_hidden_size is None
+        or ("moe_ffn_hidden_size" not in explicit and "hidden_size" in explicit)
+    ):
+        m.moe_ffn_hidden_size = int(round(m.moe_ffn_ratio * m.hidden_size))
+    if m.max_position_embeddings is None or m.max_position_embeddings < m.seq_length:
+        m.max_position_embeddings = m.seq_length
+
+
+def dump_json(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=False)

@@ -1,0 +1,485 @@
+"""The training loop over megatron-core's pieces: GPTModel, DDP, schedules, optimizer, ckpt.
+
+One step: micro-batches through ``get_forward_backward_func`` (PP-aware), DDP grad reduction,
+a finiteness check of loss and gradients on every rank (a non-finite step is skipped before
+it can touch the weights), ``optimizer.step()`` (global-norm clipping inside), LR schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megatron_md.models.builder import build_model, padded_vocab_size
+from megatron_md.models.presets import count_parameters, human
+from megatron_md.training import checkpointing as ckpt
+from megatron_md.training.batches import micro_batches
+from megatron_md.training.config import RunConfig
+from megatron_md.training.run_logging import RunLogger
+from megatron_md.training.validate import ConfigError, data_parallel_size, validate_config
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (e.g. too many consecutive non-finite steps)."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_total: int = 0
+    nan_total: int = 0
+    consecutive_skips: int = 0
+    history: list = field(default_factory=list)  # (iteration, loss) on the logging rank
+
+
+# ----------------------------------------------------------------------------- setup helpers
+
+def setup_parallel(cfg: RunConfig):
+    """Runtime, process groups and seeds. Returns the Runtime."""
+    from megatron_md.runtime import activate, select_runtime
+    from megatron_md.runtime.distributed import init_distributed
+
+    rt = select_runtime(cfg.training.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_config(cfg, world)
+    activate(rt)
+    init_distributed(rt)
+    p = cfg.parallel
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+    )
+    seed_everything(cfg.training.seed)
+    return rt
+
+
+def seed_everything(seed: int) -> None:
+    # Megatron's convention: pipeline stages draw different streams; TP ranks share one.
+    s = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+    tensor_parallel.model_parallel_cuda_manual_seed(s)
+
+
+def make_tokenizer(cfg: RunConfig):
+    if cfg.data.mock_data or cfg.data.tokenizer_type == "NullTokenizer" or not cfg.data.tokenizer_model:
+        return None
+    from megatron_md.training.tokenizer import Tokenizer
+
+    return Tokenizer(cfg.data.tokenizer_model)
+
+
+def vocab_size_for(cfg: RunConfig, tokenizer) -> int:
+    raw = tokenizer.vocab_size if tokenizer is not None else cfg.model.vocab_size
+    return padded_vocab_size(raw, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+
+
+def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
+    """GPTModel for this stage, in Float16Module when bf16, in megatron DDP."""
+    model = build_model(cfg, vocab, cpu=cpu)
+    config = model.config
+    if not cpu:
+        model.cuda(torch.cuda.current_device())
+    if cfg.training.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # we check ourselves and skip the step instead of crashing
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return ddp, config
+
+
+def build_optimizer(cfg: RunConfig, ddp_model):
+    o, t = cfg.optimizer, cfg.training
+    ocfg = OptimizerConfig(
+        optimizer=o.optimizer,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=t.bf16,
+        params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and o.optimizer == "adam",
+        use_layer_wise_distributed_optimizer=cfg.parallel.use_distributed_optimizer and o.optimizer != "adam",
+        muon_momentum=o.muon_momentum,
+        muon_nesterov=o.muon_nesterov,
+        muon_scale_mode=o.muon_scale_mode,
+        muon_num_ns_steps=o.muon_num_ns_steps,
+        muon_tp_mode=o.muon_tp_mode,
+        muon_extra_scale_factor=o.muon_extra_scale_factor,
+        muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
+    )
+    optimizer = get_megatron_optimizer(ocfg, [ddp_model])
+    gbs = global_batch_size(cfg)
+    decay_iters = max(o.lr_decay_iters or t.train_iters, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.lr_warmup_iters > 0 else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters * gbs,
+        lr_decay_steps=decay_iters * gbs,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(t.train_iters, 1) * gbs,
+        wd_incr_style="constant",
+        wsd_decay_steps=(o.lr_wsd_decay_iters or 0) * gbs if o.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style=o.lr_wsd_decay_style,
+    )
+    return optimizer, scheduler
+
+
+def global_batch_size(cfg: RunConfig) -> int:
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    return cfg.training.global_batch_size or cfg.training.micro_batch_size * data_parallel_size(cfg, world)
+
+
+def is_logging_rank() -> bool:
+    return (
+        ps.is_pipeline_last_stage()
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+    )
+
+
+# ----------------------------------------------------------------------------- step pieces
+
+def loss_func(loss_mask: torch.Tensor, nan_now: bool, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    if nan_now:
+        loss_sum = loss_sum * float("nan")
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def make_forward_step(nan_now: bool):
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return out, functools.partial(loss_func, batch["loss_mask"], nan_now)
+
+    return forward_step
+
+
+def reduce_loss(losses: list[dict]) -> float | None:
+    """Token-weighted mean loss over micro-batches and data-parallel ranks (last stage only)."""
+    if not ps.is_pipeline_last_stage():
+        return None
+    total = torch.zeros(2, dtype=torch.float64)
+    for d in losses:
+        total += d["lm loss"].detach().double().cpu()
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        total = total.cuda()
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def all_finite(model, loss: float | None) -> bool:
+    """Every rank agrees whether this step's loss and gradients are finite."""
+    bad = 0.0 if loss is None or math.isfinite(loss) else 1.0
+    if not bad:
+        for p in model.parameters():
+            g = getattr(p, "main_grad", None)
+            g = g if g is not None else p.grad
+            if g is not None and not torch.isfinite(g).all():
+                bad = 1.0
+                break
+    flag = torch.tensor([bad], device=next(model.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+# ----------------------------------------------------------------------------- the run
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.rt = setup_parallel(cfg)
+        self.cpu = self.rt.name == "cpu"
+        self.tokenizer = make_tokenizer(cfg)
+        self.vocab = vocab_size_for(cfg, self.tokenizer)
+        self.model, self.tconfig = build_wrapped_model(cfg, self.vocab, self.cpu)
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
+        self.gbs = global_batch_size(cfg)
+        cfg.training.global_batch_size = self.gbs  # saved with checkpoints: score --validation needs it
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.num_micro = self.gbs // (self.dp_size * cfg.training.micro_batch_size)
+        self.state = TrainState()
+        self.forward_backward = get_forward_backward_func()
+        self.resumed = self._maybe_load()
+        self.logger = RunLogger(
+            self._run_dir(),
+            cfg,
+            active=is_logging_rank(),
+            resumed=self.resumed,
+            runtime_desc=self.rt.describe(),
+            world_size=dist.get_world_size(),
+        )
+        self._announce()
+        self.train_ds, self.valid_ds = self._datasets()
+
+    # -- setup
+
+    def _run_dir(self) -> Path:
+        lg = self.cfg.logging
+        name = [lg.run_dir]
+        if dist.get_rank() == 0 and name[0] is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            name[0] = f"runs/{stamp}-{self.cfg.preset or 'custom'}"
+        dist.broadcast_object_list(name, src=0)
+        lg.run_dir = name[0]
+        return Path(name[0])
+
+    def _maybe_load(self) -> bool:
+        c = self.cfg.checkpoint
+        if c.load and ckpt.latest_iteration(c.load) is not None:
+            common = ckpt.load_checkpoint(
+                c.load, self.model, self.optimizer, self.scheduler,
+                load_optim=not c.no_load_optim, load_rng=not c.no_load_rng,
+            )
+            self.state.iteration = common["iteration"]
+            self.state.consumed_samples = common["consumed_samples"]
+            extra = common.get("extra", {})
+            self.state.skipped_total = extra.get("skipped_total", 0)
+            self.state.nan_total = extra.get("nan_total", 0)
+            self._loaded_from = common["path"]
+            return True
+        if c.pretrained_checkpoint:
+            common = ckpt.load_checkpoint(c.pretrained_checkpoint, self.model, load_optim=False, load_rng=False)
+            self._loaded_from = common["path"] + " (weights only)"
+        return False
+
+    def _announce(self) -> None:
+        cfg, log = self.cfg, self.logger
+        counts = count_parameters(_with_vocab(cfg.model, self.vocab))
+        local = sum(p.numel() for p in self.model.parameters())
+        log.print(f"megatron_md | {self.rt.describe()}")
+        log.print(
+            f"model {cfg.preset or 'custom'}: {human(counts.total)} parameters "
+            f"({human(counts.active)} active, {human(counts.embedding)} embedding); "
+            f"this rank holds {human(local)}; layer spec: "
+            f"{'transformer_engine' if getattr(ckpt.unwrap(self.model), 'megatron_md_uses_te', False) else 'local'}"
+        )
+        p = cfg.parallel
+        log.print(
+            f"parallel: world {dist.get_world_size()} = TP {p.tensor_model_parallel_size} x PP "
+            f"{p.pipeline_model_parallel_size} x DP {self.dp_size} (EP {p.expert_model_parallel_size}); "
+            f"global batch {self.gbs} = {self.num_micro} micro-batches x {cfg.training.micro_batch_size} x DP"
+        )
+        if hasattr(self, "_loaded_from"):
+            log.print(f"loaded checkpoint {self._loaded_from} at iteration {self.state.iteration}")
+        log.print(f"run directory: {Path(cfg.logging.run_dir).resolve()}")
+
+    def _datasets(self):
+        cfg, t = self.cfg, self.cfg.training
+        from megatron_md.training.data import build_gpt_datasets
+
+        evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
+        sizes = (t.train_iters * self.gbs, evals * t.eval_iters * self.gbs, 0)
+        # Every rank calls the builder; megatron-core builds the index caches on rank 0 first.
+        built = [build_gpt_datasets(
+            cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, self.tokenizer,
+            *sizes, mock=cfg.data.mock_data, path_to_cache=cfg.data.data_cache_path,
+            vocab_size=self.vocab,
+        )]
+        train, valid, _ = built[0]
+        return train, valid
+
+    # -- steps
+
+    def _batches(self, dataset, consumed: int):
+        return micro_batches(
+            dataset, consumed, self.gbs, self.cfg.training.micro_batch_size,
+            self.dp_rank, self.dp_size, self.rt.device,
+        )
+
+    def train_step(self) -> tuple[float | None, float | None, bool]:
+        t = self.cfg.training
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        it = self.state.iteration + 1
+        nan_now = t.inject_nan_at is not None and t.inject_nan_at <= it < t.inject_nan_at + t.inject_nan_iters
+        losses = self.forward_backward(
+            forward_step_func=make_forward_step(nan_now),
+            data_iterator=self._batches(self.train_ds, self.state.consumed_samples),
+            model=[self.model],
+            num_microbatches=self.num_micro,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+        )
+        loss = reduce_loss(losses)
+        if not all_finite(self.model, loss):
+            self.optimizer.zero_grad()
+            self.model.zero_grad_buffer()
+            return loss, None, False
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=self.gbs)
+        return loss, grad_norm, bool(ok)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid_ds is None or len(self.valid_ds) == 0:
+            return None
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        for i in range(self.cfg.training.eval_iters):
+            losses = self.forward_backward(
+                forward_step_func=make_forward_step(False),
+                data_iterator=self._batches(self.valid_ds, i * self.gbs),
+                model=[self.model],
+                num_microbatches=self.num_micro,
+                seq_length=self.cfg.model.seq_length,
+                micro_batch_size=self.cfg.training.micro_batch_size,
+                forward_only=True,
+            )
+            if ps.is_pipeline_last_stage():
+                for d in losses:
+                    total += d["lm loss"].double().cpu()
+        self.model.train()
+        if not ps.is_pipeline_last_stage():
+            return None
+        dev_total = total.to(self.rt.device) if self.rt.name == "cuda" else total
+        dist.all_reduce(dev_total, group=ps.get_data_parallel_group())
+        return (dev_total[0] / dev_total[1]).item()
+
+    def save(self) -> Path:
+        c = self.cfg.checkpoint
+        path = ckpt.save_checkpoint(
+            c.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
+            consumed_samples=self.state.consumed_samples,
+            run_config_yaml=self.cfg.to_yaml(),
+            tokenizer_model=self.cfg.data.tokenizer_model,
+            extra={"skipped_total": self.state.skipped_total, "nan_total": self.state.nan_total},
+        )
+        self.logger.print(f"saved checkpoint {path.resolve()}")
+        return path
+
+    def train(self) -> TrainState:
+        cfg, t, s, log = self.cfg, self.cfg.training, self.state, self.logger
+        interval = {"loss": 0.0, "n": 0, "skipped": 0, "nan": 0, "t0": time.time(), "iters": 0, "grad_norm": None}
+        self.model.train()
+        try:
+            while s.iteration < t.train_iters:
+                loss, grad_norm, ok = self.train_step()
+                s.iteration += 1
+                s.consumed_samples += self.gbs
+                interval["iters"] += 1
+                if ok:
+                    s.consecutive_skips = 0
+                    if loss is not None:
+                        interval["loss"] += loss
+                        interval["n"] += 1
+                    interval["grad_norm"] = grad_norm
+                    s.history.append((s.iteration, loss))
+                else:
+                    s.skipped_total += 1
+                    s.consecutive_skips += 1
+                    interval["skipped"] += 1
+                    if loss is None or not math.isfinite(loss):
+                        s.nan_total += 1
+                        interval["nan"] += 1
+                    log.print(f"[warn] iteration {s.iteration}: non-finite loss or gradient, update skipped")
+                    if s.consecutive_skips >= t.max_consecutive_skips:
+                        raise TrainingStopped(
+                            f"stopping: {s.consecutive_skips} consecutive iterations had a non-finite loss "
+                            f"or gradient (--max-consecutive-skips {t.max_consecutive_skips}); lower --lr, "
+                            "check the data, or resume from the last checkpoint"
+                        )
+                log.progress(s.iteration)
+                if s.iteration % cfg.logging.log_interval == 0 or s.iteration == t.train_iters:
+                    self._log_interval(interval)
+                    interval.update(loss=0.0, n=0, skipped=0, nan=0, t0=time.time(), iters=0, grad_norm=None)
+                if t.eval_interval and s.iteration % t.eval_interval == 0 and s.iteration < t.train_iters:
+                    self._eval_and_log()
+                if cfg.checkpoint.save and cfg.checkpoint.save_interval and s.iteration % cfg.checkpoint.save_interval == 0:
+                    self.save()
+                if t.exit_interval and s.iteration % t.exit_interval == 0:
+                    break
+            # train_iters 0 makes a seed checkpoint: the initial weights, saved, no evaluation.
+            self.final_eval_loss = self._eval_and_log() if t.train_iters > 0 else None
+            if cfg.checkpoint.save and not (
+                cfg.checkpoint.save_interval and s.iteration % cfg.checkpoint.save_interval == 0
+            ):
+                self.save()
+        finally:
+            log.close()
+        return s
+
+    def _eval_and_log(self):
+        loss = self.evaluate()
+        if loss is not None:
+            self.logger.log_eval({"iteration": self.state.iteration, "eval_lm_loss": loss})
+        return loss
+
+    def _log_interval(self, iv: dict) -> None:
+        elapsed = time.time() - iv["t0"]
+        per_iter = elapsed / max(iv["iters"], 1)
+        rec = {
+            "iteration": self.state.iteration,
+            "consumed_samples": self.state.consumed_samples,
+            "lm_loss": iv["loss"] / iv["n"] if iv["n"] else None,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": float(iv["grad_norm"]) if iv["grad_norm"] is not None else None,
+            "tokens_per_s": self.gbs * self.cfg.model.seq_length / per_iter,
+            "iter_time_ms": per_iter * 1000.0,
+            "global_batch_size": self.gbs,
+            "skipped": iv["skipped"],
+            "nan": iv["nan"],
+            "skipped_total": self.state.skipped_total,
+        }
+        self.logger.log_train(rec)
+
+
+def _with_vocab(model_cfg, vocab: int):
+    import copy
+
+    m = copy.copy(model_cfg)
+    m.vocab_size = vocab
+    return m
+
+
+def run(cfg: RunConfig) -> TrainState:
+    """Entry point used by the CLI in every rank."""
+    trainer = Trainer(cfg)
+    return trainer.train()
+
+
+__all__ = ["Trainer", "run", "TrainingStopped", "ConfigError"]

@@ -1,0 +1,145 @@
+"""Reject invalid settings before any work starts, naming the flag and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_md.training.config import RunConfig
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the flag and how to fix it."""
+
+
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    p = cfg.parallel
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+
+def validate_config(cfg: RunConfig, world_size: int) -> None:
+    """Raise ConfigError for the first invalid combination found."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
+    errors: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errors.append(msg)
+
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        need(getattr(p, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    need(
+        world_size % (tp * pp) == 0,
+        f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+        f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes "
+        "(--nproc-per-node) or change the sizes",
+    )
+    need(
+        m.num_attention_heads % tp == 0,
+        f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+        f"--tensor-model-parallel-size {tp}; use a TP size that divides the heads",
+    )
+    need(
+        m.num_query_groups % tp == 0,
+        f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size "
+        f"{tp}; use a TP size that divides the query groups",
+    )
+    need(
+        m.num_attention_heads % m.num_query_groups == 0,
+        f"--num-attention-heads {m.num_attention_heads} is not a multiple of --num-query-groups "
+        f"{m.num_query_groups}",
+    )
+    need(
+        m.num_layers % pp == 0,
+        f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+        "choose a PP size that divides the layers",
+    )
+    need(m.ffn_hidden_size % tp == 0, f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by TP {tp}")
+    if m.num_experts:
+        need(
+            m.num_experts % ep == 0,
+            f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}; "
+            "use an EP size that divides the experts",
+        )
+        need(
+            1 <= m.moe_router_topk <= m.num_experts,
+            f"--moe-router-topk {m.moe_router_topk} must be between 1 and --num-experts {m.num_experts}",
+        )
+        need(
+            (world_size // pp) % (ep * etp) == 0,
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must divide "
+            f"the {world_size // pp} ranks of a pipeline stage; launch more processes or lower EP",
+        )
+        need(
+            not (tp > 1 and not p.sequence_parallel),
+            "MoE with --tensor-model-parallel-size > 1 requires --sequence-parallel (megatron-core "
+            "rule); add --sequence-parallel",
+        )
+    else:
+        need(ep == 1, "--expert-model-parallel-size > 1 needs an MoE model (--num-experts)")
+    need(not (p.sequence_parallel and tp == 1), "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if p.sequence_parallel:
+        need(
+            m.seq_length % tp == 0,
+            f"--seq-length {m.seq_length} must be divisible by TP {tp} with --sequence-parallel",
+        )
+
+    if world_size % (tp * pp) == 0:
+        dp = data_parallel_size(cfg, world_size)
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        need(t.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+        need(
+            gbs % (t.micro_batch_size * dp) == 0,
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x "
+            f"data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}",
+        )
+    need(t.train_iters >= 0, "--train-iters must be >= 0")
+    need(t.train_iters > 0 or cfg.checkpoint.save is not None, "--train-iters 0 only makes sense with --save (a seed checkpoint)")
+    need(o.lr > 0, "--lr must be > 0")
+    need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
+    need(
+        o.lr_warmup_iters < (o.lr_decay_iters or t.train_iters) or o.lr_warmup_iters == 0,
+        f"--lr-warmup-iters {o.lr_warmup_iters} must be smaller than the decay horizon "
+        f"(--lr-decay-iters or --train-iters {t.train_iters})",
+    )
+    if o.lr_decay_style == "WSD":
+        need(o.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    need(o.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
+    need(cfg.logging.log_interval >= 1, "--log-interval must be >= 1")
+    need(m.seq_length <= m.max_position_embeddings, "--seq-length exceeds --max-position-embeddings")
+    if o.optimizer != "adam" and p.use_distributed_optimizer:
+        need(
+            t.bf16,
+            f"--optimizer {o.optimizer} with --use-distributed-optimizer uses megatron-core's "
+            "layer-wise distributed optimizer, which only supports bf16: add --bf16",
+        )
+
+    d = cfg.data
+    if not d.mock_data:
+        need(bool(d.data_path), "no data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+        if d.tokenizer_type == "SentencePieceTokenizer":
+            need(
+                d.tokenizer_model is not None,
+                "--tokenizer-model is required with --data-path (the .model from tools/train_tokenizer.py)",
+            )
+
+    c = cfg.checkpoint
+    if c.load and not Path(c.load).exists():
+        need(False, f"--load {c.load}: directory does not exist (drop --load to start from scratch)")
+    if c.pretrained_checkpoint and not (Path(c.pretrained_checkpoint) / "latest_checkpointed_iteration.txt").exists():
+        need(False, f"--pretrained-checkpoint {c.pretrained_checkpoint}: no latest_checkpointed_iteration.txt there")
+    if c.save:
+        has_ckpt = (Path(c.save) / "latest_checkpointed_iteration.txt").exists()
+        resuming_here = c.load and Path(c.load).resolve() == Path(c.save).resolve()
+        need(
+            not has_ckpt or resuming_here,
+            f"--save {c.save} already holds checkpoints; pass --load {c.save} to resume from them, "
+            "or choose a new --save directory (existing checkpoints are never overwritten)",
+        )
+    if c.save_interval is not None:
+        need(c.save_interval >= 1, "--save-interval must be >= 1")
+        need(c.save is not None, "--save-interval needs --save DIR")
+
+    if errors:
+        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
