@@ -68,6 +68,7 @@ def quiet_megatron() -> None:
     for cat in (UserWarning, DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=cat, module=r"megatron\.")
         warnings.filterwarnings("ignore", category=cat, module=r"torch\.")
+    warnings.filterwarnings("ignore", message="Please use DTensor instead")
     for name in ("megatron.core.models.gpt.gpt_model", "megatron.core.datasets",
                  "megatron.core.dist_checkpointing.strategies.torch", "torch.utils.cpp_extension"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -228,6 +228,39 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# --- gloo collectives ---------------------------------------------------------------------------
+_ORIG_ALL_GATHER: list = []
+
+
+def gather_padded(tensor_list, tensor, group, gather):
+    """all_gather into first-dim-uneven outputs with an even ``gather``: pad, gather, slice."""
+    rows = max(t.shape[0] for t in tensor_list)
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    bufs = [torch.empty_like(padded) for _ in tensor_list]
+    gather(bufs, padded, group=group)
+    for out, buf in zip(tensor_list, bufs):
+        out.copy_(buf[: out.shape[0]])
+
+
+class _DoneWork:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    # NCCL gathers first-dim-uneven tensors (MoE alltoall dispatcher with expert TP > 1); gloo
+    # refuses them, so pad to the largest and slice.
+    orig = _ORIG_ALL_GATHER[0]
+    if all(t.shape == tensor.shape for t in tensor_list):
+        return orig(tensor_list, tensor, group=group, async_op=async_op)
+    gather_padded(tensor_list, tensor, group, orig)
+    return _DoneWork() if async_op else None
+
+
 # --- the bridge table ------------------------------------------------------------------------
 
 
@@ -286,6 +319,7 @@ _BRIDGE_LIST = [
     Bridge(_LOGGING, _RNG_LOGGER, _FORK_FILTER, "drops fork()'s CPU-RNG-changed warning"),
     Bridge(_MOE_UTILS, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu, "numpy on CPU"),
     Bridge(_MOE_DISPATCH, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu, "numpy on CPU"),
+    Bridge("torch.distributed", "all_gather", _all_gather, "gloo: first-dim-uneven outputs by padding"),
 ]
 
 
@@ -384,6 +418,8 @@ def install() -> None:
                     orig = getattr(owner, b.attr)
                 if b.attr == "maybe_move_tensor_to_cpu" and not _ORIG_MOVE:
                     _ORIG_MOVE.append(orig)
+                if b.attr == "all_gather" and not _ORIG_ALL_GATHER:
+                    _ORIG_ALL_GATHER.append(orig)
                 setattr(owner, b.attr, b.replacement)
                 _saved.append((owner, b.attr, orig))
             mode = _CudaToCpuMode()
@@ -404,6 +440,7 @@ def _restore() -> None:
         else:
             setattr(owner, attr, orig)
     _ORIG_MOVE.clear()
+    _ORIG_ALL_GATHER.clear()
 
 
 def uninstall() -> None:

@@ -314,8 +314,30 @@ def _check_move_to_cpu(mod):
     return check
 
 
+def _check_all_gather():
+    # The padding path, with a stand-in for an even two-rank gather (this process is one rank).
+    other = torch.arange(12.0).view(6, 2)
+
+    def even_gather(bufs, padded, group=None):
+        bufs[0].copy_(padded)
+        bufs[1].copy_(other[: padded.shape[0]])
+
+    mine = torch.ones(4, 2)
+    outs = [torch.empty(4, 2), torch.empty(6, 2)]
+    cpu.gather_padded(outs, mine, None, even_gather)
+    assert torch.equal(outs[0], mine) and torch.equal(outs[1], other)
+    # The installed bridge passes an even gather straight through (world size 1 here).
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        out = [torch.empty(3)]
+        dist.all_gather(out, torch.tensor([1.0, 2.0, 3.0]))
+        assert out[0].tolist() == [1.0, 2.0, 3.0]
+
+
 _TP = "megatron.core.tensor_parallel.random"
 CHECKS = {
+    "torch.distributed.all_gather": _check_all_gather,
     "torch.cuda.current_device": _check_current_device,
     "torch.cuda.set_device": _check_set_device,
     "torch.cuda.synchronize": _check_synchronize,

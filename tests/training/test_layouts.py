@@ -57,3 +57,32 @@ def test_moe_expert_parallel_agrees(tmp_path):
                       ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", disp])
         assert ep2[0] == pytest.approx(ref[0], rel=1e-5), (disp, ep2, ref)
         assert ep2[1] == pytest.approx(ref[1], rel=1e-4), (disp, ep2, ref)
+
+
+def test_four_rank_combinations(tmp_path):
+    """TP2xPP2 (dense) and EP2xTP2 with sequence parallelism (MoE) on 4 gloo ranks."""
+    seed = _seed(tmp_path, "tiny-dense")
+    ref = _losses(tmp_path, "tiny-dense", seed, "dp1", 1, [])
+    got = _losses(tmp_path, "tiny-dense", seed, "tp2pp2", 4,
+                  ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--global-batch-size", "4"])
+    assert got[0] == pytest.approx(ref[0], rel=1e-5) and got[1] == pytest.approx(ref[1], rel=1e-4)
+    seed = _seed(tmp_path, "tiny-moe")
+    ref = _losses(tmp_path, "tiny-moe", seed, "dp1", 1, [])
+    got = _losses(tmp_path, "tiny-moe", seed, "ep2tp2", 4,
+                  ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"])
+    assert got[0] == pytest.approx(ref[0], rel=1e-5) and got[1] == pytest.approx(ref[1], rel=1e-4)
+
+
+def test_optimizer_variants_are_layout_independent(tmp_path):
+    """megatron-core Muon (duplicated TP mode) at TP2, and Adam with the distributed optimizer."""
+    seed = _seed(tmp_path, "tiny-dense")
+    muon = ["--optimizer", "muon", "--muon-tp-mode", "duplicated", "--muon-fp32-matmul-prec", "highest"]
+    ref = _losses(tmp_path, "tiny-dense", seed, "muon-dp1", 1, muon)
+    tp2 = _losses(tmp_path, "tiny-dense", seed, "muon-tp2", 2, [*muon, "--tensor-model-parallel-size", "2"])
+    assert tp2[1] == pytest.approx(ref[1], rel=1e-4)
+    assert tp2[1] < tp2[0]
+    ref = _losses(tmp_path, "tiny-dense", seed, "adam-dp1", 1, [])
+    dist = _losses(tmp_path, "tiny-dense", seed, "adam-distopt", 2, ["--use-distributed-optimizer"])
+    assert dist[1] == pytest.approx(ref[1], rel=1e-4)

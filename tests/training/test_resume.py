@@ -29,6 +29,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert (ck / "iter_0000002" / "run_config.yaml").exists()
     run_cli(["train", *BASE, *layout, "--train-iters", "4", "--load", str(ck), "--save", str(ck),
              "--run-dir", str(tmp_path / "second")])
+    _check_run_dir(tmp_path / "straight")
     straight = [r["lm_loss"] for r in train_records(tmp_path / "straight")]
     resumed = [r["lm_loss"] for r in train_records(tmp_path / "first")] + [
         r["lm_loss"] for r in train_records(tmp_path / "second")
@@ -39,6 +40,19 @@ def test_resume_is_bit_identical(tmp_path):
     lrs = [r["lr"] for r in train_records(tmp_path / "straight")]
     lrs_resumed = [r["lr"] for r in train_records(tmp_path / "first") + train_records(tmp_path / "second")]
     assert lrs == lrs_resumed
+
+
+def _check_run_dir(run_dir):
+    """What a user (and later tooling) finds in every run directory."""
+    for name in ("config.yaml", "versions.json", "host.json", "train.log", "metrics.jsonl"):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    rec = train_records(run_dir)[-1]
+    for key in ("iteration", "lm_loss", "lr", "grad_norm", "tokens_per_s", "skipped", "consumed_samples"):
+        assert key in rec, key
+    assert rec["tokens_per_s"] > 0
+    log = (run_dir / "train.log").read_text()
+    assert "runtime: cpu (gloo)" in log and "throughput (tokens/s)" in log
 
 
 def _score(ck, *extra):
