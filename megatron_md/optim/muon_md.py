@@ -1,0 +1,198 @@
+"""MuonMD and AdamMD: torch optimizers over 2-D matrices built on ``md.md_step_`` (ALGORITHMS.md §2).
+
+Both project every managed matrix onto its sphere at construction and start the gains at exactly 1,
+so the first forward equals the projected model's. 1-D parameters (norm gains, biases) are refused:
+they belong in a plain AdamW beside this optimizer.
+
+Tensor-parallel glue subclasses and overrides ``reducer_for(p)`` (a Reducer that all-reduces over the
+param's TP group) and ``orthogonalizer_for(p, hp)``; nothing in this module touches process groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from .md import (
+    LOCAL_REDUCER,
+    AdamBase,
+    BaseUpdate,
+    Block,
+    MDHyperParams,
+    MuonBase,
+    Orthogonalize,
+    Reducer,
+    current_gains,
+    init_md_state,
+    matrix_blocks,
+    md_step_,
+    project_blocks_,
+    recover_direction,
+    resolve_split_shapes,
+)
+
+
+class MDOptimizer(torch.optim.Optimizer):
+    """MD decoupling around a pluggable base update (``MuonBase``, ``AdamBase``, later Lion/SOAP...)."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict, base: BaseUpdate):
+        self.base = base  # set before super().__init__, which calls add_param_group
+        self._blocks: dict[torch.Tensor, list[Block]] = {}
+        super().__init__(params, defaults)
+
+    # --- hooks for tensor-parallel glue -----------------------------------------------------------
+    def reducer_for(self, p: torch.Tensor) -> Reducer:
+        """Reductions over ``p``'s axes; the local one sums within this process."""
+        return LOCAL_REDUCER
+
+    def orthogonalizer_for(self, p: torch.Tensor, hp: MDHyperParams) -> Orthogonalize | None:
+        """``(U_block, global_block_shape) -> msign(U_block)``; None uses local msign with the group's NS options."""
+        return None
+
+    # --- construction --------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"{type(self).__name__} manages 2-D weight matrices only, got a parameter of shape "
+                    f"{tuple(p.shape)}; put 1-D parameters (norm gains, biases) in a plain torch.optim.AdamW "
+                    f"next to it"
+                )
+        super().add_param_group({**param_group, "params": params})
+        group = self.param_groups[-1]
+        hp = MDHyperParams.from_group(group)
+        hp.validate()
+        with torch.no_grad():
+            for p in group["params"]:
+                self._init_param(p, hp, project=True)
+
+    def _init_param(self, p: torch.Tensor, hp: MDHyperParams, project: bool) -> None:
+        state = self.state[p]
+        if project:
+            project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere, self.reducer_for(p))
+        if not state:
+            init_md_state(p, state, hp, self.base)
+
+    def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> list[Block]:
+        blocks = self._blocks.get(p)
+        if blocks is None:
+            blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), self.reducer_for(p), p.device)
+            self._blocks[p] = blocks
+        return blocks
+
+    # --- step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hp = MDHyperParams.from_group(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:  # e.g. state dropped by a load without optimizer state
+                    self._init_param(p, hp, project=False)
+                md_step_(p, p.grad, self.state[p], hp, self.base, self.reducer_for(p),
+                         self.orthogonalizer_for(p, hp), self._param_blocks(p, hp))
+        return loss
+
+    # --- inspection ----------------------------------------------------------------------------
+    def _hp_of(self, p: torch.Tensor) -> MDHyperParams:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return MDHyperParams.from_group(group)
+        raise KeyError(f"parameter of shape {tuple(p.shape)} is not managed by this optimizer")
+
+    def gains(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(γ_row, γ_col) after the parametrisation φ; None for an axis without gains."""
+        return current_gains(self.state[p], self._hp_of(p))
+
+    def direction(self, p: torch.Tensor) -> torch.Tensor:
+        """Ŵ = W ⊘ (γ_r γ_cᵀ), the on-sphere direction of ``p`` (a new tensor)."""
+        with torch.no_grad():
+            return recover_direction(p.detach().to(torch.float32), *self.gains(p))
+
+
+class MuonMD(MDOptimizer):
+    """MD decoupling with a Muon base: momentum + Nesterov, Newton-Schulz msign, ``shape_up`` scale.
+
+    On the flat sphere the relative direction update per step is ``lr`` for every shape (exact msign).
+    Gains use Adam with ``gains_lr`` and ``gains_betas``/``gains_eps`` (the run's Adam settings).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        gains_lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        scale_mode: str = "shape_up",
+        sphere: str = "flat",
+        gains: str = "rowcol",
+        gain_param: str = "softplus",
+        weight_decay: float = 0.0,
+        *,
+        ns_coefficients: str = "quintic",
+        gains_betas: tuple[float, float] = (0.9, 0.99),
+        gains_eps: float = 1e-8,
+        gains_weight_decay: float | None = None,
+        gmin: float = 1e-5,
+        qkv_split_shapes: tuple[int, int, int] | None = None,
+        base: BaseUpdate | None = None,
+    ):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        defaults = dict(
+            lr=lr, gains_lr=gains_lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients, scale_mode=scale_mode, sphere=sphere, gains=gains,
+            gain_param=gain_param, weight_decay=weight_decay, gains_betas=tuple(gains_betas),
+            gains_eps=gains_eps, gains_weight_decay=gains_weight_decay, gmin=gmin,
+            qkv_split_shapes=qkv_split_shapes,
+        )
+        super().__init__(params, defaults, base if base is not None else MuonBase())
+
+
+class AdamMD(MDOptimizer):
+    """MD decoupling with a bias-corrected Adam base on the direction gradient (no scale factor).
+
+    Gains use the same betas/eps as the matrices unless ``gains_betas``/``gains_eps`` are given.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        gains_lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.99),
+        eps: float = 1e-8,
+        sphere: str = "flat",
+        gains: str = "rowcol",
+        gain_param: str = "softplus",
+        weight_decay: float = 0.0,
+        *,
+        gains_betas: tuple[float, float] | None = None,
+        gains_eps: float | None = None,
+        gains_weight_decay: float | None = None,
+        gmin: float = 1e-5,
+        qkv_split_shapes: tuple[int, int, int] | None = None,
+        base: BaseUpdate | None = None,
+    ):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        defaults = dict(
+            lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, sphere=sphere, gains=gains,
+            gain_param=gain_param, weight_decay=weight_decay,
+            gains_betas=tuple(gains_betas if gains_betas is not None else betas),
+            gains_eps=eps if gains_eps is None else gains_eps,
+            gains_weight_decay=gains_weight_decay, gmin=gmin, qkv_split_shapes=qkv_split_shapes,
+        )
+        super().__init__(params, defaults, base if base is not None else AdamBase())
