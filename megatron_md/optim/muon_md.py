@@ -46,6 +46,10 @@ class MDOptimizer(torch.optim.Optimizer):
         """Reductions over ``p``'s axes; the local one sums within this process."""
         return LOCAL_REDUCER
 
+    def base_for(self, hp: MDHyperParams) -> BaseUpdate:
+        """The base update of a param group (one for the whole optimizer unless overridden)."""
+        return self.base
+
     def orthogonalizer_for(self, p: torch.Tensor, hp: MDHyperParams) -> Orthogonalize | None:
         """``(U_block, global_block_shape) -> msign(U_block)``; None uses local msign with the group's NS options."""
         return None
@@ -74,7 +78,7 @@ class MDOptimizer(torch.optim.Optimizer):
         if project:
             project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere, self.reducer_for(p))
         if not state:
-            init_md_state(p, state, hp, self.base)
+            init_md_state(p, state, hp, self.base_for(hp))
 
     def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> list[Block]:
         blocks = self._blocks.get(p)
@@ -97,7 +101,7 @@ class MDOptimizer(torch.optim.Optimizer):
                     continue
                 if not self.state[p]:  # e.g. state dropped by a load without optimizer state
                     self._init_param(p, hp, project=False)
-                md_step_(p, p.grad, self.state[p], hp, self.base, self.reducer_for(p),
+                md_step_(p, p.grad, self.state[p], hp, self.base_for(hp), self.reducer_for(p),
                          self.orthogonalizer_for(p, hp), self._param_blocks(p, hp))
         return loss
 

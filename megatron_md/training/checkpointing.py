@@ -69,13 +69,19 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state(model, optimizer, *, is_loading: bool, with_optim: bool, with_rng: bool) -> dict:
+def _sharded_state(
+    model, optimizer, *, is_loading: bool, with_optim: bool, with_rng: bool, layer_wise: bool = False
+) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
         state["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=OPTIM_METADATA
         )
+        from megatron_md.mcore.md_checkpoint import has_md, md_sharded_state
+
+        if has_md(optimizer):  # MD gains are not parameter-shaped: saved beside megatron's state
+            state["md"] = md_sharded_state(optimizer, loading=is_loading, layer_wise=layer_wise)
     if with_rng:
         # One object per global rank; restored only when the world size is unchanged.
         state["rng_state"] = ShardedObject(
@@ -95,6 +101,7 @@ def save_checkpoint(
     run_config_yaml: str,
     tokenizer_model: str | None,
     extra: dict | None = None,
+    layer_wise: bool = False,
 ) -> Path:
     """Save atomically; returns the final ``iter_`` directory."""
     root = Path(root)
@@ -107,12 +114,15 @@ def save_checkpoint(
             shutil.rmtree(partial)
         partial.mkdir()
     dist.barrier()
-    state = _sharded_state(model, optimizer, is_loading=False, with_optim=True, with_rng=True)
+    state = _sharded_state(
+        model, optimizer, is_loading=False, with_optim=True, with_rng=True, layer_wise=layer_wise
+    )
     state.update(
         iteration=iteration,
         consumed_samples=consumed_samples,
         scheduler=scheduler.state_dict(),
         world_size=dist.get_world_size(),
+        has_md="md" in state,
         extra=extra or {},
     )
     dist_checkpointing.save(state, str(partial))
@@ -140,6 +150,7 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     iteration: int | None = None,
+    layer_wise: bool = False,
 ) -> dict:
     """Load model (and optimizer, scheduler, RNG) in place; returns the common state."""
     if iteration is None:
@@ -153,12 +164,28 @@ def load_checkpoint(
     same_world = common.get("world_size") == dist.get_world_size()
     with_optim = load_optim and optimizer is not None
     state = _sharded_state(
-        model, optimizer, is_loading=True, with_optim=with_optim, with_rng=load_rng and same_world
+        model, optimizer, is_loading=True, with_optim=with_optim, with_rng=load_rng and same_world,
+        layer_wise=layer_wise,
     )
+    if with_optim and "md" in state and not common.get("has_md", False):
+        raise ValueError(
+            f"--load {root}: the checkpoint has no MD gain state (saved with another optimizer); "
+            "use --pretrained-checkpoint to start MD from its weights, or --no-load-optim"
+        )
     loaded = dist_checkpointing.load(state, str(path))
     unwrap(model).load_state_dict(loaded["model"])
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
+        if "md" in loaded:
+            from megatron_md.mcore.md_checkpoint import load_md_state
+
+            load_md_state(optimizer, loaded["md"])
+    elif optimizer is not None:
+        # New weights in the model: refresh fp32 master copies (and re-split MD directions).
+        optimizer.reload_model_params()
+        from megatron_md.mcore.md_checkpoint import reset_md_from_weights
+
+        reset_md_from_weights(optimizer)
     if scheduler is not None and load_optim:
         scheduler.load_state_dict(common["scheduler"])
     if "rng_state" in loaded:

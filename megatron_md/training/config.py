@@ -78,8 +78,11 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = opt("adam", "Optimizer.", ["adam", "muon"])
-    lr: float = opt(3e-4, "Peak learning rate.")
+    optimizer: str = opt(
+        "adam", "Optimizer: adam, megatron-core's muon, or MD decoupling (muon_md, adam_md).",
+        ["adam", "muon", "muon_md", "adam_md"],
+    )
+    lr: float = opt(3e-4, "Peak learning rate (1-D params and LM head; all params for adam/muon).")
     min_lr: float = opt(0.0, "Final learning rate.")
     lr_decay_style: str = opt(
         "cosine", "LR schedule after warmup.", ["constant", "linear", "cosine", "WSD"]
@@ -106,6 +109,21 @@ class OptimConfig:
     )
     muon_extra_scale_factor: float = opt(1.0, "Extra multiplier on the Muon update.")
     muon_fp32_matmul_prec: str = opt("medium", "fp32 matmul precision in NS.", ["medium", "high", "highest"])
+    matrix_lr: Optional[float] = opt(None, "MD: peak LR of hidden matrices (the angular step; default --lr).")
+    embedding_lr: Optional[float] = opt(None, "MD: peak LR of the word embedding (default --lr).")
+    gains_lr: float = opt(1e-3, "MD: peak LR of the row/column gains (Adam on raw gains).")
+    md_sphere: str = opt("flat", "MD: sphere of hidden matrices.", ["flat", "row", "col"])
+    md_gains: str = opt("rowcol", "MD: gains of hidden matrices.", ["rowcol", "row", "col", "none"])
+    md_gain_param: str = opt("softplus", "MD: gain parametrisation.", ["softplus", "direct", "exp"])
+    md_scale_mode: str = opt(
+        "shape_up", "MD-Muon update scale (shape_up: relative update = LR).",
+        ["shape_up", "spectral", "unit_rms_norm", "shape_scaling", "none"],
+    )
+    md_ns_coefficients: str = opt("quintic", "MD-Muon Newton-Schulz coefficients.", ["quintic", "simple", "polar_express"])
+    md_embedding_sphere: str = opt("row", "MD: word-embedding sphere (none: plain AdamW).", ["row", "none"])
+    md_output_sphere: str = opt("row", "MD: LM-head sphere (none: plain AdamW).", ["row", "none"])
+    md_output_gains: str = opt("rowcol", "MD: LM-head gains.", ["rowcol", "row", "col", "none"])
+    md_router_sphere: str = opt("row", "MD: MoE router sphere.", ["row", "flat"])
 
 
 @dataclass
@@ -322,10 +340,29 @@ def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict) -> RunCo
     if preset:
         apply_overrides(cfg, get_preset(preset), f"preset {preset}")
     apply_overrides(cfg, file_values, f"--config {yaml_path}")
-    explicit = set(cli)
+    explicit = set(cli) | _keys(file_values)
+    if (cli.get("optimizer") or cfg.optimizer.optimizer) in MD_RECIPE_OPTIMIZERS:
+        # The MD paper recipe, unless set explicitly: no weight decay, no warmup, linear decay.
+        for k, v in MD_RECIPE.items():
+            if k not in explicit:
+                apply_overrides(cfg, {k: v}, "MD recipe")
     apply_overrides(cfg, cli, "command line")
     derive_sizes(cfg.model, explicit)
     return cfg
+
+
+MD_RECIPE_OPTIMIZERS = ("muon_md", "adam_md")
+MD_RECIPE = {"weight_decay": 0.0, "lr_warmup_iters": 0, "lr_decay_style": "linear", "clip_grad": 1.0}
+
+
+def _keys(d: dict) -> set[str]:
+    out = set()
+    for k, v in d.items():
+        if k in SECTIONS and isinstance(v, dict):
+            out |= {x.replace("-", "_") for x in v}
+        else:
+            out.add(k.replace("-", "_"))
+    return out
 
 
 def derive_sizes(m: ModelConfig, explicit: set[str] = frozenset()) -> None:

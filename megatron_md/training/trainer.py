@@ -108,7 +108,9 @@ def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        # Byte-sharded DistributedOptimizer for adam; the layer-wise one (matrix optimizers) works
+        # on plain DDP buffers.
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and cfg.optimizer.optimizer == "adam",
         check_for_nan_in_grad=False,  # we check ourselves and skip the step instead of crashing
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -119,7 +121,7 @@ def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
 
 def build_optimizer(cfg: RunConfig, ddp_model):
     o, t = cfg.optimizer, cfg.training
-    ocfg = OptimizerConfig(
+    common = dict(
         optimizer=o.optimizer,
         lr=o.lr,
         min_lr=o.min_lr,
@@ -131,7 +133,7 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         bf16=t.bf16,
         params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and o.optimizer == "adam",
-        use_layer_wise_distributed_optimizer=cfg.parallel.use_distributed_optimizer and o.optimizer != "adam",
+        use_layer_wise_distributed_optimizer=layer_wise(cfg),
         muon_momentum=o.muon_momentum,
         muon_nesterov=o.muon_nesterov,
         muon_scale_mode=o.muon_scale_mode,
@@ -140,7 +142,18 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         muon_extra_scale_factor=o.muon_extra_scale_factor,
         muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
     )
-    optimizer = get_megatron_optimizer(ocfg, [ddp_model])
+    if o.optimizer in ("muon_md", "adam_md"):
+        from megatron.core.optimizer import get_standard_config_overrides
+
+        from megatron_md.mcore import md_checkpoint, md_optimizer as mdo
+
+        md_checkpoint.tag_md_params(ddp_model)
+        ocfg = mdo.MDOptimizerConfig(**common, **mdo.optimizer_config_kwargs(o))
+        mdo.register(ocfg)
+        overrides = {**get_standard_config_overrides(ocfg), **mdo.md_param_overrides(ocfg)}
+        optimizer = get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides)
+    else:
+        optimizer = get_megatron_optimizer(OptimizerConfig(**common), [ddp_model])
     gbs = global_batch_size(cfg)
     decay_iters = max(o.lr_decay_iters or t.train_iters, 1)
     scheduler = OptimizerParamScheduler(
@@ -159,6 +172,11 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         lr_wsd_decay_style=o.lr_wsd_decay_style,
     )
     return optimizer, scheduler
+
+
+def layer_wise(cfg: RunConfig) -> bool:
+    """Matrix optimizers shard over DP through megatron's layer-wise optimizer (whole matrices)."""
+    return cfg.parallel.use_distributed_optimizer and cfg.optimizer.optimizer != "adam"
 
 
 def global_batch_size(cfg: RunConfig) -> int:
@@ -271,7 +289,7 @@ class Trainer:
         if c.load and ckpt.latest_iteration(c.load) is not None:
             common = ckpt.load_checkpoint(
                 c.load, self.model, self.optimizer, self.scheduler,
-                load_optim=not c.no_load_optim, load_rng=not c.no_load_rng,
+                load_optim=not c.no_load_optim, load_rng=not c.no_load_rng, layer_wise=layer_wise(self.cfg),
             )
             self.state.iteration = common["iteration"]
             self.state.consumed_samples = common["consumed_samples"]
@@ -281,7 +299,9 @@ class Trainer:
             self._loaded_from = common["path"]
             return True
         if c.pretrained_checkpoint:
-            common = ckpt.load_checkpoint(c.pretrained_checkpoint, self.model, load_optim=False, load_rng=False)
+            common = ckpt.load_checkpoint(
+                c.pretrained_checkpoint, self.model, self.optimizer, load_optim=False, load_rng=False
+            )
             self._loaded_from = common["path"] + " (weights only)"
         return False
 
@@ -388,6 +408,7 @@ class Trainer:
             run_config_yaml=self.cfg.to_yaml(),
             tokenizer_model=self.cfg.data.tokenizer_model,
             extra={"skipped_total": self.state.skipped_total, "nan_total": self.state.nan_total},
+            layer_wise=layer_wise(self.cfg),
         )
         self.logger.print(f"saved checkpoint {path.resolve()}")
         return path

@@ -125,7 +125,9 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             )
 
     c = cfg.checkpoint
-    if c.load and not Path(c.load).exists():
+    same_dir = bool(c.load and c.save) and Path(c.load).resolve() == Path(c.save).resolve()
+    if c.load and not Path(c.load).exists() and not same_dir:
+        # --load X --save X on a fresh X is the requeue pattern: start from scratch.
         need(False, f"--load {c.load}: directory does not exist (drop --load to start from scratch)")
     if c.pretrained_checkpoint and not (Path(c.pretrained_checkpoint) / "latest_checkpointed_iteration.txt").exists():
         need(False, f"--pretrained-checkpoint {c.pretrained_checkpoint}: no latest_checkpointed_iteration.txt there")

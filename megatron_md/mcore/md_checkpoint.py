@@ -1,0 +1,166 @@
+"""MD gain state in torch_dist checkpoints, reshardable across TP, PP, EP and DP sizes.
+
+megatron-core checkpoints optimizer state only when it has its parameter's shape; MD's gain
+vectors (and their Adam moments) do not. They are saved here as their own ShardedTensors,
+keyed by each matrix's canonical name (global layer and expert index), so any layout can load
+them: ``md/<name>/row`` is ``[3, M]`` (ρ, Adam m, Adam v), ``md/<name>/col`` is ``[3, N]``,
+sharded along the matrix's TP axis. SwiGLU fc1 rows are stored as ``[3, 2, M/2]`` (gate, up)
+so the layout does not depend on how TP interleaves the two halves.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+def tag_md_params(model) -> None:
+    """Give every parameter a layout-independent ``md_key`` (global layer, global expert)."""
+    from megatron_md.training.checkpointing import unwrap
+
+    gpt = unwrap(model)
+    layers = getattr(getattr(gpt, "decoder", None), "layers", [])
+    ep_rank = ps.get_expert_model_parallel_rank()
+    for name, p in gpt.named_parameters():
+        key = name
+        m = _LAYER.search(key)
+        if m:
+            local = int(m.group(1))
+            key = key.replace(m.group(0), f"decoder.layers.{layers[local].layer_number - 1}.", 1)
+        e = _EXPERT.search(key)
+        if e:
+            experts = gpt.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+            key = key.replace(e.group(0), f"local_experts.{ep_rank * experts + int(e.group(1))}.", 1)
+        p.md_key = key
+        p.md_swiglu = bool(gpt.config.gated_linear_unit and name.endswith("linear_fc1.weight"))
+
+
+def _children(o) -> list:
+    chained = getattr(o, "chained_optimizers", None)
+    if chained:  # ChainedOptimizer.optimizer asserts when it holds several
+        return list(chained)
+    inner = o.__dict__.get("optimizer")
+    return [inner] if inner is not None and inner is not o else []
+
+
+def md_wrappers(optimizer) -> list:
+    """(megatron wrapper, MegatronMD) pairs inside chained / wrapped / layer-wise optimizers."""
+    found, stack = [], [optimizer]
+    while stack:
+        o = stack.pop()
+        for child in _children(o):
+            if isinstance(child, MegatronMD):
+                found.append((o, child))
+            else:
+                stack.append(child)
+    return found
+
+
+def md_optimizers(optimizer) -> list[MegatronMD]:
+    """Every MegatronMD inside megatron's optimizer objects."""
+    if isinstance(optimizer, MegatronMD):
+        return [optimizer]
+    return [md for _, md in md_wrappers(optimizer)]
+
+
+def _tp(p):
+    if getattr(p, "expert_tp", False):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _dp_rank(p) -> int:
+    if getattr(p, "expert_tp", False):
+        return ps.get_expert_data_parallel_rank()
+    return ps.get_data_parallel_rank(with_context_parallel=True)
+
+
+def _axis_tensor(p, state, axis: str, layer_wise: bool, loading: bool) -> ShardedTensor:
+    data = torch.stack([state[f"rho_{axis}"], state[f"exp_avg_{axis}"], state[f"exp_avg_sq_{axis}"]])
+    if loading:
+        data = torch.empty_like(data)
+    tp_rank, tp_size = _tp(p)
+    sharded = getattr(p, "tensor_model_parallel", False) and p.partition_dim == (0 if axis == "row" else 1)
+    dp = 0 if layer_wise else _dp_rank(p)
+    key = f"md/{p.md_key}/{axis}"
+    split_axis = 1
+    if axis == "row" and p.md_swiglu:  # (gate, up) halves: same layout at every TP size
+        data, split_axis = data.view(3, 2, -1), 2
+    if not sharded or tp_size == 1:
+        return ShardedTensor.from_rank_offsets(key, data, replica_id=(tp_rank, dp))
+    return ShardedTensor.from_rank_offsets(key, data, (split_axis, tp_rank, tp_size), replica_id=(0, dp))
+
+
+def md_sharded_state(optimizer, *, loading: bool = False, layer_wise: bool = False) -> dict:
+    """ShardedTensors holding every local MD gain state (empty buffers when ``loading``)."""
+    out = {}
+    for opt in md_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state.get(p) or {}
+                key = getattr(p, "md_key", None)
+                if key is None or "gain_step" not in state:
+                    continue
+                for axis in ("row", "col"):
+                    if f"rho_{axis}" in state:
+                        out[f"{key}/{axis}"] = _axis_tensor(p, state, axis, layer_wise, loading)
+                tp_rank, _ = _tp(p)
+                step = state["gain_step"].reshape(1).float()
+                out[f"{key}/step"] = ShardedTensor.from_rank_offsets(
+                    f"md/{key}/step", torch.empty_like(step) if loading else step,
+                    replica_id=(tp_rank, 0 if layer_wise else _dp_rank(p)),
+                )
+    return out
+
+
+def load_md_state(optimizer, loaded: dict) -> int:
+    """Copy loaded gain state into the optimizers; returns how many matrices were restored."""
+    restored = 0
+    for opt in md_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                key = getattr(p, "md_key", None)
+                state = opt.state.get(p)
+                if key is None or not state or f"{key}/step" not in loaded:
+                    continue
+                for axis in ("row", "col"):
+                    if f"{key}/{axis}" in loaded:
+                        data = loaded[f"{key}/{axis}"].reshape(3, -1)
+                        for i, name in enumerate(("rho", "exp_avg", "exp_avg_sq")):
+                            state[f"{name}_{axis}"].copy_(data[i])
+                state["gain_step"].copy_(loaded[f"{key}/step"].reshape(()))
+                restored += 1
+    return restored
+
+
+def reset_md_from_weights(optimizer) -> None:
+    """After loading bare weights: gains back to 1, directions = the weights projected on the sphere.
+
+    Used by ``--pretrained-checkpoint`` and ``--no-load-optim``, where no MD state comes along.
+    """
+    from megatron_md.optim.md import MDHyperParams
+
+    for o, inner in md_wrappers(optimizer):
+        with torch.no_grad():
+            for group in inner.param_groups:
+                hp = MDHyperParams.from_group(group)
+                for p in group["params"]:
+                    inner.state[p].clear()
+                    inner._init_param(p, hp, project=True)
+        if hasattr(o, "_copy_main_params_to_model_params"):
+            o._copy_main_params_to_model_params()
+
+
+def has_md(optimizer) -> bool:
+    return bool(md_optimizers(optimizer))
+
+
+__all__ = ["tag_md_params", "md_sharded_state", "load_md_state", "md_optimizers", "has_md", "reset_md_from_weights", "GAIN_KEYS"]

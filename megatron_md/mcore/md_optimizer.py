@@ -1,0 +1,214 @@
+"""MuonMD / AdamMD inside megatron-core: registry entries, parameter routing, TP/EP hooks.
+
+``--optimizer muon_md`` / ``adam_md`` are registered in megatron-core's emerging-optimizer
+registry, so they ride on its param groups, bf16 master weights, chained and layer-wise
+distributed optimizers. Routing (ALGORITHMS.md §2.4):
+
+- hidden matrices (QKV split per Q/K/V block, proj, fc1, fc2, each expert's own matrices):
+  MD with the base update (Muon or Adam), flat sphere, row+col gains, ``--matrix-lr``;
+- MoE router: MD-Muon on the row sphere with Keller Jordan's scale (unit-norm rows);
+- word embedding: row sphere, no gains, Adam, ``--embedding-lr``;
+- LM head: row sphere, ``--md-output-gains``, Adam, ``--lr``;
+- 1-D parameters (norms) and learned position embeddings: AdamW, ``--lr``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.emerging_optimizers import (
+    _EMERGING_OPTIMIZERS,
+    EmergingOptimizerEntry,
+    _eopt_init_state_fn,
+)
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+from megatron.core.tensor_parallel import layers as tp_layers
+
+from megatron_md.optim.md import AdamBase, MDHyperParams, MuonBase
+from megatron_md.optim.muon_md import MDOptimizer
+from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
+
+GAIN_KEYS = ("rho_row", "rho_col", "exp_avg_row", "exp_avg_sq_row", "exp_avg_col", "exp_avg_sq_col", "gain_step")
+MD_OPTIMIZERS = ("muon_md", "adam_md")
+
+# Attributes our tagging sets on model params; registered so megatron copies them onto the fp32
+# master params it makes for bf16 training (only keys of this dict survive that copy).
+for _attr, _default in (("md_key", None), ("md_swiglu", False)):
+    tp_layers._MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.setdefault(_attr, _default)
+
+
+@dataclass
+class MDOptimizerConfig(OptimizerConfig):
+    """megatron-core's OptimizerConfig plus the MD knobs (flags: training/config.py)."""
+
+    md_base: str = "muon"
+    matrix_lr: Optional[float] = None
+    embedding_lr: Optional[float] = None
+    gains_lr: float = 1e-3
+    md_sphere: str = "flat"
+    md_gains: str = "rowcol"
+    md_gain_param: str = "softplus"
+    md_scale_mode: str = "shape_up"
+    md_ns_coefficients: str = "quintic"
+    md_embedding_sphere: str = "row"
+    md_output_sphere: str = "row"
+    md_output_gains: str = "rowcol"
+    md_router_sphere: str = "row"
+
+
+class MegatronMD(MDOptimizer):
+    """MDOptimizer whose reductions and msign follow each parameter's TP (or expert-TP) shards."""
+
+    def __init__(self, params, config: MDOptimizerConfig, pg_collection=None):
+        self.pg_collection = pg_collection
+        self._bases = {"muon": MuonBase(), "adam": AdamBase()}
+        self._reducers: dict[int, ShardedReducer] = {}
+        betas = (config.adam_beta1, config.adam_beta2)
+        defaults = dict(
+            lr=config.lr, gains_lr=config.gains_lr, gains_max_lr=config.gains_lr,
+            momentum=config.muon_momentum, nesterov=config.muon_nesterov,
+            ns_steps=config.muon_num_ns_steps, ns_coefficients=config.md_ns_coefficients,
+            scale_mode=config.md_scale_mode, sphere=config.md_sphere, gains=config.md_gains,
+            gain_param=config.md_gain_param, weight_decay=config.weight_decay,
+            gains_betas=betas, gains_eps=config.adam_eps, betas=betas, eps=config.adam_eps,
+            md_base=config.md_base,
+        )
+        super().__init__(params, defaults, self._bases[config.md_base])
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def base_for(self, hp: MDHyperParams):
+        return self._bases[hp.extra.get("md_base", "muon")]
+
+    def _group_of(self, p: torch.Tensor):
+        if self.pg_collection is None:
+            return None
+        return self.pg_collection.expt_tp if getattr(p, "expert_tp", False) else self.pg_collection.tp
+
+    def reducer_for(self, p: torch.Tensor) -> ShardedReducer:
+        r = self._reducers.get(id(p))
+        if r is None:
+            dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+            r = self._reducers[id(p)] = ShardedReducer(self._group_of(p), dim)
+        return r
+
+    def orthogonalizer_for(self, p: torch.Tensor, hp: MDHyperParams):
+        r = self.reducer_for(p)
+        return duplicated_orthogonalizer(r.group, r.dim, hp.ns_steps, hp.ns_coefficients)
+
+    # -- megatron's expectations -----------------------------------------------------------------
+    def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
+        """Create state for every param (megatron calls this before a torch_dist load)."""
+        hp = MDHyperParams.from_group(group)
+        for p in group["params"]:
+            if skip_non_grad_params and p.grad is None:
+                continue
+            if not self.state[p]:
+                self._init_param(p, hp, project=False)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        # Gains follow the matrix group's schedule coefficient (ALGORITHMS.md §2.5).
+        for group in self.param_groups:
+            max_lr = group.get("max_lr") or 0.0
+            ratio = group["lr"] / max_lr if max_lr > 0 else 1.0
+            group["gains_lr"] = group["gains_max_lr"] * ratio
+        return super().step(closure)
+
+    def state_dict(self):
+        # megatron checkpoints optimizer state that has its parameter's shape; the gain vectors
+        # travel separately (mcore/md_checkpoint.py).
+        sd = super().state_dict()
+        sd["state"] = {i: {k: v for k, v in s.items() if k not in GAIN_KEYS} for i, s in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        kept = {p: {k: v for k, v in s.items() if k in GAIN_KEYS} for p, s in self.state.items()}
+        super().load_state_dict(state_dict)
+        for p, gains in kept.items():
+            self.state[p].update(gains)
+
+
+def _config_to_kwargs(config, model_chunks, pg_collection):
+    return {"config": config, "pg_collection": pg_collection}
+
+
+def _adamw_router(config: MDOptimizerConfig):
+    """Which params MD leaves to AdamW: 1-D ones, learned positions, unconstrained embedding/head."""
+    plain = ["position_embeddings.weight"]
+    if config.md_embedding_sphere == "none":
+        plain.append("word_embeddings.weight")
+    if config.md_output_sphere == "none":
+        plain.append("output_layer.weight")
+
+    def routed(p: torch.Tensor) -> bool:
+        key = getattr(p, "md_key", None) or ""
+        return p.ndim != 2 or any(key.endswith(s) for s in plain)
+
+    return routed
+
+
+def register(config: MDOptimizerConfig | None = None) -> None:
+    """Add muon_md and adam_md to megatron-core's optimizer registry (idempotent)."""
+    config = config or MDOptimizerConfig()
+    routed = ParamKey(predicate=ParamPredicate(name="md_adamw", fn=_adamw_router(config)))
+    for name in MD_OPTIMIZERS:
+        _EMERGING_OPTIMIZERS[name] = EmergingOptimizerEntry(
+            optimizer_cls=MegatronMD,
+            init_state_fn=_eopt_init_state_fn,
+            config_to_kwargs=_config_to_kwargs,
+            default_param_overrides={routed: {"optimizer": "adam"}},
+        )
+
+
+def md_param_overrides(config: MDOptimizerConfig) -> dict:
+    """Per-module MD groups: sphere, gains, base update and LR band (merged with megatron's)."""
+    lr, min_ratio = config.lr, (config.min_lr / config.lr if config.lr else 0.0)
+
+    def band(max_lr: float, role: str = "") -> dict:
+        # megatron matches saved and current param groups on load by a fixed tuple of keys that
+        # does not include ours (sphere, gains, base); without a distinguishing entry the
+        # embedding and LM-head groups collide. ``is_decoupled_lr`` is in that tuple and unused
+        # by megatron-core's scheduler, so it carries the MD role.
+        tag = {"is_decoupled_lr": f"md:{role}"} if role else {}
+        return {"max_lr": max_lr, "min_lr": max_lr * min_ratio, **tag}
+
+    matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
+    embedding_lr = config.embedding_lr if config.embedding_lr is not None else lr
+    hidden = ParamKey(predicate=ParamPredicate(name="md_hidden", fn=_is_hidden_matrix))
+    router = ParamKey(name="*router.weight")
+    embedding = ParamKey(name="*word_embeddings.weight")
+    output = ParamKey(name="*output_layer.weight")
+    out = {
+        hidden: {**band(matrix_lr, "hidden"), "md_role": "hidden"},
+        router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md_router_sphere,
+                 "scale_mode": "shape_scaling", "md_base": "muon"},
+    }
+    if config.md_embedding_sphere != "none":
+        out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md_embedding_sphere,
+                          "gains": "none", "md_base": "adam"}
+    else:
+        out[embedding] = band(embedding_lr)
+    if config.md_output_sphere != "none":
+        out[output] = {**band(lr, "output"), "md_role": "output", "sphere": config.md_output_sphere,
+                       "gains": config.md_output_gains, "md_base": "adam"}
+    return out
+
+
+def _is_hidden_matrix(p: torch.Tensor) -> bool:
+    key = getattr(p, "md_key", None) or ""
+    return p.ndim == 2 and "decoder.layers." in key and not key.endswith("router.weight")
+
+
+def optimizer_config_kwargs(o) -> dict:
+    """MDOptimizerConfig fields from our OptimConfig section."""
+    return dict(
+        md_base="adam" if o.optimizer == "adam_md" else "muon",
+        matrix_lr=o.matrix_lr, embedding_lr=o.embedding_lr, gains_lr=o.gains_lr,
+        md_sphere=o.md_sphere, md_gains=o.md_gains, md_gain_param=o.md_gain_param,
+        md_scale_mode=o.md_scale_mode, md_ns_coefficients=o.md_ns_coefficients,
+        md_embedding_sphere=o.md_embedding_sphere, md_output_sphere=o.md_output_sphere,
+        md_output_gains=o.md_output_gains, md_router_sphere=o.md_router_sphere,
+    )
