@@ -477,7 +477,7 @@ class Trainer:
             "iteration": self.state.iteration,
             "consumed_samples": self.state.consumed_samples,
             "lm_loss": iv["loss"] / iv["n"] if iv["n"] else None,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self._group_lr(None),
             "grad_norm": float(iv["grad_norm"]) if iv["grad_norm"] is not None else None,
             "tokens_per_s": self.gbs * self.cfg.model.seq_length / per_iter,
             "iter_time_ms": per_iter * 1000.0,
@@ -486,7 +486,17 @@ class Trainer:
             "nan": iv["nan"],
             "skipped_total": self.state.skipped_total,
         }
+        matrix_lr = self._group_lr("hidden")
+        if matrix_lr is not None:
+            rec["matrix_lr"] = matrix_lr
         self.logger.log_train(rec)
+
+    def _group_lr(self, md_role):
+        """LR of the first param group with this MD role (None: a group without one)."""
+        for group in self.optimizer.param_groups:
+            if group.get("md_role") == md_role and (md_role is not None or group["params"]):
+                return group["lr"]
+        return None if md_role else self.optimizer.param_groups[0]["lr"]
 
 
 def _with_vocab(model_cfg, vocab: int):
