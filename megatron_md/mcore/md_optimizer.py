@@ -57,6 +57,8 @@ class MDOptimizerConfig(OptimizerConfig):
     md_output_sphere: str = "row"
     md_output_gains: str = "rowcol"
     md_router_sphere: str = "row"
+    md_out_proj_radius: bool = False
+    md_num_layers: int = 1
 
 
 class MegatronMD(MDOptimizer):
@@ -177,7 +179,10 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
 
     matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
     embedding_lr = config.embedding_lr if config.embedding_lr is not None else lr
-    hidden = ParamKey(predicate=ParamPredicate(name="md_hidden", fn=_is_hidden_matrix))
+    out_proj = config.md_out_proj_radius
+    hidden = ParamKey(predicate=ParamPredicate(
+        name=f"md_hidden{'_no_out' if out_proj else ''}", fn=lambda p: _is_hidden_matrix(p) and not (out_proj and _is_out_proj(p))
+    ))
     router = ParamKey(name="*router.weight")
     embedding = ParamKey(name="*word_embeddings.weight")
     output = ParamKey(name="*output_layer.weight")
@@ -186,6 +191,12 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
         router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md_router_sphere,
                  "scale_mode": "shape_scaling", "md_base": "muon"},
     }
+    if out_proj:
+        # Paper option: out-projections live on a sphere of radius sqrt(max(m,n))/sqrt(2L) and
+        # their Muon update shrinks by the same factor (ALGORITHMS.md §2.2).
+        key = ParamKey(predicate=ParamPredicate(name="md_out_proj", fn=lambda p: _is_hidden_matrix(p) and _is_out_proj(p)))
+        out[key] = {**band(matrix_lr, "out_proj"), "md_role": "hidden",
+                    "radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5}
     if config.md_embedding_sphere != "none":
         out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md_embedding_sphere,
                           "gains": "none", "md_base": "adam"}
@@ -202,6 +213,11 @@ def _is_hidden_matrix(p: torch.Tensor) -> bool:
     return p.ndim == 2 and "decoder.layers." in key and not key.endswith("router.weight")
 
 
+def _is_out_proj(p: torch.Tensor) -> bool:
+    key = getattr(p, "md_key", None) or ""
+    return key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight")
+
+
 def optimizer_config_kwargs(o) -> dict:
     """MDOptimizerConfig fields from our OptimConfig section."""
     return dict(
@@ -211,4 +227,5 @@ def optimizer_config_kwargs(o) -> dict:
         md_scale_mode=o.md_scale_mode, md_ns_coefficients=o.md_ns_coefficients,
         md_embedding_sphere=o.md_embedding_sphere, md_output_sphere=o.md_output_sphere,
         md_output_gains=o.md_output_gains, md_router_sphere=o.md_router_sphere,
+        md_out_proj_radius=o.md_out_proj_radius,
     )

@@ -109,6 +109,7 @@ class MDHyperParams:
     gains_eps: float = 1e-8
     gains_weight_decay: float | None = None  # None: same as weight_decay (ALGORITHMS.md §2.5)
     qkv_split_shapes: tuple[int, int, int] | None = None
+    radius_scale: float = 1.0  # flat-sphere radius multiplier (paper option: 1/sqrt(2L) on out-projections)
     # Muon base
     momentum: float = 0.95
     nesterov: bool = True
@@ -233,12 +234,13 @@ def project_(
 
 
 def project_blocks_(
-    W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer = LOCAL_REDUCER
+    W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer = LOCAL_REDUCER,
+    radius_scale: float = 1.0,
 ) -> torch.Tensor:
     """Project each block onto its own sphere (fused QKV: Q, K, V radii differ)."""
     for blk in blocks:
         part = get_block(W, blk)
-        project_(part, mode, flat_radius(blk.shape) if mode == "flat" else None, reducer)
+        project_(part, mode, radius_scale * flat_radius(blk.shape) if mode == "flat" else None, reducer)
         set_block_(W, blk, part)
     return W
 
@@ -346,11 +348,11 @@ class MuonBase(BaseUpdate):
         U = g_hat.lerp(buf, hp.momentum) if hp.nesterov else buf
         if len(layout.blocks) == 1 and layout.blocks[0].rows is None:
             shape = layout.blocks[0].shape
-            return layout.orthogonalize(U, shape).mul_(scale_factor(*shape, hp.scale_mode))
+            return layout.orthogonalize(U, shape).mul_(scale_factor(*shape, hp.scale_mode) * hp.radius_scale)
         out = torch.empty_like(U)
         for blk in layout.blocks:
             O = layout.orthogonalize(get_block(U, blk), blk.shape)
-            set_block_(out, blk, O.mul_(scale_factor(*blk.shape, hp.scale_mode)))
+            set_block_(out, blk, O.mul_(scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale))
         return out
 
 
@@ -440,7 +442,7 @@ def md_step_(
     if hp.weight_decay:
         W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
     W_hat.sub_(U, alpha=hp.lr)
-    project_blocks_(W_hat, blocks, hp.sphere, reducer)
+    project_blocks_(W_hat, blocks, hp.sphere, reducer, hp.radius_scale)
 
     # 8. Adam on the raw gains
     if d_row is not None or d_col is not None:

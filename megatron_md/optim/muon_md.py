@@ -76,7 +76,7 @@ class MDOptimizer(torch.optim.Optimizer):
     def _init_param(self, p: torch.Tensor, hp: MDHyperParams, project: bool) -> None:
         state = self.state[p]
         if project:
-            project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere, self.reducer_for(p))
+            project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere, self.reducer_for(p), hp.radius_scale)
         if not state:
             init_md_state(p, state, hp, self.base_for(hp))
 

@@ -124,6 +124,9 @@ class OptimConfig:
     md_output_sphere: str = opt("row", "MD: LM-head sphere (none: plain AdamW).", ["row", "none"])
     md_output_gains: str = opt("rowcol", "MD: LM-head gains.", ["rowcol", "row", "col", "none"])
     md_router_sphere: str = opt("row", "MD: MoE router sphere.", ["row", "flat"])
+    md_out_proj_radius: bool = opt(
+        False, "MD: out-projections (attention proj, fc2) on a sphere and update scaled by 1/sqrt(2L)."
+    )
 
 
 @dataclass

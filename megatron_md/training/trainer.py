@@ -148,7 +148,9 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         from megatron_md.mcore import md_checkpoint, md_optimizer as mdo
 
         md_checkpoint.tag_md_params(ddp_model)
-        ocfg = mdo.MDOptimizerConfig(**common, **mdo.optimizer_config_kwargs(o))
+        ocfg = mdo.MDOptimizerConfig(
+            **common, **mdo.optimizer_config_kwargs(o), md_num_layers=cfg.model.num_layers
+        )
         mdo.register(ocfg)
         overrides = {**get_standard_config_overrides(ocfg), **mdo.md_param_overrides(ocfg)}
         optimizer = get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides)

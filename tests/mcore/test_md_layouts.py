@@ -55,6 +55,10 @@ def test_dense_tp_pp_dp_and_resume_across_dp_change(tmp_path):
         here = tmp_path / f"ck-{name}"
         shutil.copytree(ck, here)
         _same(_losses(tmp_path, name, nproc, *run, *layout, "--load", str(here)), ref[2:])
+    # Same layout: bit-identical to the uninterrupted DP2 run (momentum, gains, Adam moments, LR).
+    straight = _losses(tmp_path, "dp2-straight", 2, *run)
+    shutil.copytree(ck, tmp_path / "ck-same")
+    assert first + _losses(tmp_path, "resume-dp2", 2, *run, "--load", str(tmp_path / "ck-same")) == straight
 
 
 def test_moe_expert_parallel(tmp_path):

@@ -73,3 +73,21 @@ def test_md_recipe_is_the_default_for_muon_md():
     cfg = resolve("tiny-dense", None, {"optimizer": "muon_md", "lr_warmup_iters": 5})
     assert cfg.optimizer.lr_warmup_iters == 5  # explicit settings win
     assert resolve("tiny-dense", None, {"optimizer": "adam"}).optimizer.weight_decay == 0.01
+
+
+def test_out_projection_radius_option(mcore_world):
+    from megatron_md.training.trainer import build_optimizer, build_wrapped_model
+
+    cfg = resolve("tiny-dense", None, {"optimizer": "muon_md", "mock_data": True, "md_out_proj_radius": True})
+    model, _ = build_wrapped_model(cfg, cfg.model.vocab_size, cpu=True)
+    optimizer, _ = build_optimizer(cfg, model)
+    md = _md_params(optimizer)
+    scale = 1.0 / math.sqrt(2 * cfg.model.num_layers)
+    for key, (group, p, _) in md.items():
+        W = p.detach().float()
+        if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            assert group["radius_scale"] == pytest.approx(scale)
+            assert W.norm().item() == pytest.approx(scale * math.sqrt(max(W.shape)), rel=1e-5), key
+        elif key.endswith("linear_fc1.weight"):
+            assert group.get("radius_scale", 1.0) == 1.0
+            assert W.norm().item() == pytest.approx(math.sqrt(max(W.shape)), rel=1e-5), key

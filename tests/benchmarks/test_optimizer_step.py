@@ -1,0 +1,189 @@
+"""benchmarks/optimizer_step.py at a tiny size, and tools/render_readme_tables.py on a temp README.
+
+No timing thresholds: only the structure of the results and that every derived number is computed
+from the measured step times.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+OPTIMIZERS = ("muon_md", "muon", "adam")
+
+
+def _load(rel: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load("benchmarks/optimizer_step.py", "optimizer_step_bench")
+render = _load("tools/render_readme_tables.py", "render_readme_tables")
+
+TINY = ["--preset", "tiny-dense", "--hidden-size", "64", "--layers", "2", "--vocab-size", "512",
+        "--steps", "2", "--warmup", "1", "--phase-steps", "1", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "optimizer_step_test.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "optimizer_step.py"), *TINY, "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    return out, json.loads(out.read_text()), proc.stdout
+
+
+def test_results_structure(tiny_run):
+    out, r, stdout = tiny_run
+    assert r["benchmark"] == "optimizer_step"
+    for k in ("cpu", "threads", "torch", "megatron_core", "logical_cpus"):
+        assert k in r["machine"], k
+    assert r["machine"]["threads"] == 1
+    s = r["settings"]
+    assert (s["hidden_size"], s["num_layers"], s["vocab_size"], s["steps"], s["warmup"]) == (64, 2, 512, 2, 1)
+    assert s["optimizers"] == list(OPTIMIZERS)
+    assert f"{s['parameters']['total']:,} parameters" in stdout  # the count is printed
+    assert set(r["results"]) == set(OPTIMIZERS)
+    for name, res in r["results"].items():
+        assert len(res["step_s"]) == 2 and all(t > 0 for t in res["step_s"]), name
+        assert res["state_bytes"] == sum(p["state_bytes"] + p["master_bytes"] for p in res["state_by_optimizer"])
+        assert res["state_bytes_per_param"] == pytest.approx(res["state_bytes"] / s["parameters"]["total"])
+    assert out.with_suffix(".md").exists()
+
+
+def test_state_bytes_cover_every_inner_optimizer(tiny_run):
+    _, r, _ = tiny_run
+    total = r["settings"]["parameters"]["total"]
+    res = r["results"]
+    assert res["adam"]["state_bytes"] >= 8 * total  # fp32 exp_avg + exp_avg_sq for every parameter
+    md = {p["optimizer"]: p for p in res["muon_md"]["state_by_optimizer"]}
+    assert {"MegatronMD", "AdamW"} <= set(md)
+    assert {"rho_row", "rho_col", "exp_avg_row", "momentum_buffer"} <= set(md["MegatronMD"]["state_keys"])
+    muon = {p["optimizer"]: p for p in res["muon"]["state_by_optimizer"]}
+    assert "TensorParallelMuon" in muon and muon["TensorParallelMuon"]["state_keys"] == ["momentum_buffer"]
+    # Every parameter is managed by exactly one inner optimizer.
+    for name in OPTIMIZERS:
+        assert sum(p["params"] for p in res[name]["state_by_optimizer"]) == total, name
+
+
+def test_statistics_and_ratios_come_from_the_measured_times(tiny_run):
+    _, r, _ = tiny_run
+    res = r["results"]
+    for name, x in res.items():
+        ts = x["step_s"]
+        assert x["median_s"] == pytest.approx(statistics.median(ts), rel=1e-12)
+        assert x["q1_s"] <= x["median_s"] <= x["q3_s"]
+        assert x["iqr_s"] == pytest.approx(x["q3_s"] - x["q1_s"])
+    assert set(r["ratios"]) == {"muon_md/muon", "muon_md/adam", "muon/adam"}
+    for key, value in r["ratios"].items():
+        a, b = key.split("/")
+        assert value == pytest.approx(res[a]["median_s"] / res[b]["median_s"], rel=1e-12)
+        paired = statistics.median(x / y for x, y in zip(res[a]["step_s"], res[b]["step_s"]))
+        assert r["paired_ratios"][key] == pytest.approx(paired, rel=1e-12)
+    t = r["target"]["muon_md/muon"]
+    assert t["value"] == r["ratios"]["muon_md/muon"] and t["met"] == (t["value"] <= t["max"])
+
+
+def test_phase_breakdown(tiny_run):
+    _, r, _ = tiny_run
+    ph = r["phases"]
+    assert set(ph) == set(OPTIMIZERS)
+    md = {row["name"]: row for row in ph["muon_md"]["phases"]}
+    for name in ("msign", "inner step: MegatronMD", "md_step_ [hidden]", "md_step_ [embedding]",
+                 "md_step_ [output]", "gain_grads", "project_blocks_ (sphere)"):
+        assert name in md and md[name]["seconds"] > 0, name
+    assert md["msign"]["calls"] == 2 * (3 + 3)  # per layer: Q, K, V blocks + proj, fc1, fc2
+    assert "msign" in {row["name"] for row in ph["muon"]["phases"]}
+    # The timers were undone: a fresh import of the patched modules sees the originals.
+    import megatron_md.optim.md as md_mod
+
+    assert md_mod.gain_grads.__module__ == "megatron_md.optim.md"
+
+
+def test_markdown_beside_json_is_the_rendered_table(tiny_run):
+    out, r, _ = tiny_run
+    assert out.with_suffix(".md").read_text().strip() == render.optimizer_step_markdown(r, source=out.name).strip()
+
+
+def test_summarize_and_ratios_helpers():
+    s = bench.summarize([3.0, 1.0, 2.0, 10.0])
+    assert s["median_s"] == 2.5 and s["min_s"] == 1.0 and s["max_s"] == 10.0
+    res = {"muon_md": {"median_s": 3.0, "step_s": [3.0, 6.0]}, "muon": {"median_s": 2.0, "step_s": [2.0, 3.0]}}
+    assert bench.ratios_of(res) == {"muon_md/muon": 1.5}
+    assert bench.paired_ratios_of(res) == {"muon_md/muon": pytest.approx((1.5 + 2.0) / 2)}
+
+
+def test_bad_optimizer_flag():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--optimizers", "muon,sgd"])
+
+
+# ----------------------------------------------------------------------------- render_readme_tables
+
+README = """# Title
+
+Intro.
+
+<!-- BEGIN optimizer_step -->
+stale text
+<!-- END optimizer_step -->
+
+Outro.
+"""
+
+
+def _temp_repo(tmp_path: Path, result_json: Path | None) -> Path:
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    if result_json is not None:
+        shutil.copy(result_json, tmp_path / "benchmarks" / "results" / "optimizer_step_cpu.json")
+    (tmp_path / "benchmarks" / "results" / "other.json").write_text(json.dumps({"benchmark": "something_else"}))
+    return tmp_path
+
+
+def test_render_rewrites_only_the_marked_block(tiny_run, tmp_path, capsys):
+    out, r, _ = tiny_run
+    repo = _temp_repo(tmp_path, out)
+    readme = repo / "README.md"
+    readme.write_text(README)
+    args = ["--readme", str(readme), "--repo", str(repo)]
+    assert render.main([*args, "--check"]) == 1  # stale
+    assert render.main(args) == 0
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nIntro.\n\n<!-- BEGIN optimizer_step -->\n")
+    assert text.endswith("<!-- END optimizer_step -->\n\nOutro.\n")
+    assert "stale text" not in text
+    block = text.split("<!-- BEGIN optimizer_step -->")[1].split("<!-- END optimizer_step -->")[0]
+    assert "| `muon_md` |" in block and "| `muon` |" in block and "| `adam` |" in block
+    assert f"{r['ratios']['muon_md/muon']:.3f}" in block
+    assert "benchmarks/results/optimizer_step_cpu.json" in block
+    assert render.main([*args, "--check"]) == 0  # up to date now
+    assert render.main(args) == 0 and readme.read_text() == text  # idempotent
+
+
+def test_render_without_results_and_without_markers(tmp_path, capsys):
+    repo = _temp_repo(tmp_path, None)
+    readme = repo / "README.md"
+    readme.write_text(README)
+    assert render.main(["--readme", str(readme), "--repo", str(repo)]) == 0
+    assert "No results yet" in readme.read_text()
+    readme.write_text("# No markers here\n")
+    capsys.readouterr()
+    assert render.main(["--readme", str(readme), "--repo", str(repo)]) == 2
+    err = capsys.readouterr().err
+    assert "<!-- BEGIN optimizer_step -->" in err and "<!-- END optimizer_step -->" in err
+    assert readme.read_text() == "# No markers here\n"  # untouched
+    assert render.main(["--readme", str(readme), "--repo", str(repo), "--check"]) == 2
