@@ -187,6 +187,10 @@ class LoggingConfig:
         None, "W&B mode (default offline, online with a project).", ["offline", "online", "disabled"]
     )
     progress_bar: Optional[bool] = opt(None, "Show a progress bar (default: when stderr is a tty).")
+    diagnostics_interval: int = opt(
+        100, "Every N steps log per-matrix σ_max/σ_min/‖Off(WᵀW)‖/‖W‖, MD gains, attention max logit "
+        "and entropy (0: off; rounded up to a multiple of --log-interval)."
+    )
 
 
 SECTIONS: dict[str, type] = {

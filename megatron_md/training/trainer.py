@@ -114,6 +114,9 @@ def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
         check_for_nan_in_grad=False,  # we check ourselves and skip the step instead of crashing
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    from megatron_md.mcore.md_checkpoint import tag_md_params
+
+    tag_md_params(ddp)  # layout-independent names for MD state and diagnostics
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     return ddp, config
@@ -145,9 +148,8 @@ def build_optimizer(cfg: RunConfig, ddp_model):
     if o.optimizer in ("muon_md", "adam_md"):
         from megatron.core.optimizer import get_standard_config_overrides
 
-        from megatron_md.mcore import md_checkpoint, md_optimizer as mdo
+        from megatron_md.mcore import md_optimizer as mdo
 
-        md_checkpoint.tag_md_params(ddp_model)
         ocfg = mdo.MDOptimizerConfig(
             **common, **mdo.optimizer_config_kwargs(o), md_num_layers=cfg.model.num_layers
         )
@@ -273,6 +275,9 @@ class Trainer:
         )
         self._announce()
         self.train_ds, self.valid_ds = self._datasets()
+        from megatron_md.training.diagnostics import AttentionProbe
+
+        self.probe = AttentionProbe(ckpt.unwrap(self.model)) if cfg.logging.diagnostics_interval else None
 
     # -- setup
 
@@ -356,6 +361,8 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         it = self.state.iteration + 1
+        if self.probe is not None:
+            self.probe.armed = self._diagnostics_due(it)
         nan_now = t.inject_nan_at is not None and t.inject_nan_at <= it < t.inject_nan_at + t.inject_nan_iters
         losses = self.forward_backward(
             forward_step_func=make_forward_step(nan_now),
@@ -367,6 +374,8 @@ class Trainer:
             forward_only=False,
         )
         loss = reduce_loss(losses)
+        if self.probe is not None:
+            self.probe.armed = False
         if not all_finite(self.model, loss):
             self.optimizer.zero_grad()
             self.model.zero_grad_buffer()
@@ -488,10 +497,21 @@ class Trainer:
             "nan": iv["nan"],
             "skipped_total": self.state.skipped_total,
         }
+        if self._diagnostics_due(self.state.iteration):
+            from megatron_md.training.diagnostics import collect
+
+            rec.update(collect(self.model, self.optimizer, self.probe))
         matrix_lr = self._group_lr("hidden")
         if matrix_lr is not None:
             rec["matrix_lr"] = matrix_lr
         self.logger.log_train(rec)
+
+    def _diagnostics_due(self, iteration: int) -> bool:
+        lg = self.cfg.logging
+        if not lg.diagnostics_interval:
+            return False
+        every = -(-lg.diagnostics_interval // lg.log_interval) * lg.log_interval
+        return iteration % every == 0 or iteration == self.cfg.training.train_iters
 
     def _group_lr(self, md_role):
         """LR of the first param group with this MD role (None: a group without one)."""
