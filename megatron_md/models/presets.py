@@ -29,6 +29,27 @@ _PAPER_DENSE = dict(
     qk_layernorm=True,
 )
 
+# GPT-2 small as in the module-wise manifold paper (nanoGPT): MHA, GELU MLP 4x, LayerNorm, learned
+# positions, tied embeddings, no biases. Differences to nanoGPT: megatron's LayerNorm has a bias
+# (nanoGPT's has none with bias=False) and QKV is stored per head group (same constraint: WᵀW is
+# row-permutation invariant).
+_GPT2 = dict(
+    num_layers=12,
+    hidden_size=768,
+    kv_channels=64,
+    ffn_ratio=4.0,
+    query_group_ratio=1.0,
+    seq_length=1024,
+    max_position_embeddings=1024,
+    vocab_size=50304,
+    position_embedding_type="learned_absolute",
+    normalization="LayerNorm",
+    swiglu=False,
+    untie_embeddings_and_output_weights=False,
+    disable_bias_linear=True,
+    qk_layernorm=False,
+)
+
 PRESETS: dict[str, dict] = {
     # Seconds per step on 2 CPU cores: for tests, the demo and debugging layouts.
     "tiny-dense": dict(
@@ -52,6 +73,11 @@ PRESETS: dict[str, dict] = {
         moe_router_topk=2,
         moe_ffn_ratio=2.0,
     ),
+    "tiny-gpt2": dict(
+        _GPT2, num_layers=2, hidden_size=64, kv_channels=16, seq_length=64, max_position_embeddings=64,
+        vocab_size=4096,
+    ),
+    "gpt2-small": dict(_GPT2),
     # The MD paper's width series (names are total parameter counts at vocab 131072).
     "dense-181m": dict(_PAPER_DENSE, hidden_size=512),
     "dense-307m": dict(_PAPER_DENSE, hidden_size=768),

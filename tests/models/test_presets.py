@@ -22,6 +22,7 @@ def _build(cfg):
     [
         ("tiny-dense", {}),
         ("tiny-moe", {}),
+        ("tiny-gpt2", {}),
         ("tiny-dense", {"sandwich_norm": True, "layer_scale": True, "embedding_scale": True}),
         ("tiny-dense", {"position_embedding_type": "learned_absolute", "swiglu": False,
                         "normalization": "LayerNorm", "disable_bias_linear": False, "qk_layernorm": False}),
