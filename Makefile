@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_md-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-multirank params gpu-smoke clean-runs
+.PHONY: setup demo test test-slow test-multirank params gpu-smoke bench clean-runs
 
 setup: $(STAMP)
 
@@ -30,6 +30,9 @@ params: $(STAMP)
 
 gpu-smoke: $(STAMP)
 	bash tools/gpu_smoke.sh
+
+bench: $(STAMP)
+	$(PY) benchmarks/optimizer_step.py
 
 clean-runs:
 	@echo "runs/ holds your runs and checkpoints; remove it by hand if you mean it."

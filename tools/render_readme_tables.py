@@ -45,7 +45,7 @@ def optimizer_step_markdown(result: dict, source: str | None = None) -> str:
     p = s["parameters"]
     lines = [
         f"Optimizer step on {m['device'].upper()} ({m['cpu']}, {m['threads']} threads; torch {m['torch']}, "
-        f"megatron-core {m['megatron_core']}): `{s['preset']}` at hidden {s['hidden_size']}, "
+        f"megatron-core {m['megatron_core'].split('+')[0]}): `{s['preset']}` at hidden {s['hidden_size']}, "
         f"{s['num_layers']} layers, vocab {s['vocab_size']} = {p['total'] / 1e6:.1f}M parameters "
         f"({p['embedding'] / 1e6:.1f}M embedding + LM head); {s['precision']}; "
         f"median of {s['steps']} steps after {s['warmup']} warmup"
@@ -68,15 +68,19 @@ def optimizer_step_markdown(result: dict, source: str | None = None) -> str:
         )
     if result.get("ratios"):
         paired = result.get("paired_ratios", {})
+        cpu = result.get("cpu_time_ratios", {})
         parts = []
         for k, v in result["ratios"].items():
-            extra = f" (paired per round: {paired[k]:.3f})" if k in paired else ""
-            parts.append(f"{k} = **{v:.3f}**{extra}")
+            extra = [f"paired per round {paired[k]:.3f}"] if k in paired else []
+            extra += [f"CPU time {cpu[k]:.3f}"] if k in cpu else []
+            parts.append(f"{k} = **{v:.3f}**" + (f" ({', '.join(extra)})" if extra else ""))
         lines += ["", "Ratios of the medians: " + "; ".join(parts) + "."]
+    for w in result.get("warnings") or []:
+        lines += ["", f"Warning: {w}."]
     for k, t in (result.get("target") or {}).items():
         if t.get("value") is not None:
             verdict = "met" if t["met"] else "NOT met"
-            lines.append(f"Target {k} ≤ {t['max']:.2f}: {verdict} ({t['value']:.3f}).")
+            lines += ["", f"Target {k} ≤ {t['max']:.2f}: {verdict} ({t['value']:.3f})."]
     phases = result.get("phases") or {}
     if phases:
         lines += ["", "Where the time goes (mean ms per step over the extra timed steps; derived rows in italics):", ""]

@@ -50,7 +50,7 @@ def tiny_run(tmp_path_factory):
 def test_results_structure(tiny_run):
     out, r, stdout = tiny_run
     assert r["benchmark"] == "optimizer_step"
-    for k in ("cpu", "threads", "torch", "megatron_core", "logical_cpus"):
+    for k in ("cpu", "threads", "torch", "megatron_core", "logical_cpus", "repo_commit", "env"):
         assert k in r["machine"], k
     assert r["machine"]["threads"] == 1
     s = r["settings"]
@@ -94,6 +94,11 @@ def test_statistics_and_ratios_come_from_the_measured_times(tiny_run):
         assert value == pytest.approx(res[a]["median_s"] / res[b]["median_s"], rel=1e-12)
         paired = statistics.median(x / y for x, y in zip(res[a]["step_s"], res[b]["step_s"]))
         assert r["paired_ratios"][key] == pytest.approx(paired, rel=1e-12)
+        cpu = res[a]["cpu_median_s"] / res[b]["cpu_median_s"]
+        assert r["cpu_time_ratios"][key] == pytest.approx(cpu, rel=1e-12)
+    for name, x in res.items():
+        assert len(x["cpu_s"]) == 2 and x["cpu_median_s"] == pytest.approx(statistics.median(x["cpu_s"]))
+    assert r["warnings"] == bench.consistency_warnings(r["ratios"], r["paired_ratios"])
     t = r["target"]["muon_md/muon"]
     assert t["value"] == r["ratios"]["muon_md/muon"] and t["met"] == (t["value"] <= t["max"])
 
@@ -108,10 +113,26 @@ def test_phase_breakdown(tiny_run):
         assert name in md and md[name]["seconds"] > 0, name
     assert md["msign"]["calls"] == 2 * (3 + 3)  # per layer: Q, K, V blocks + proj, fc1, fc2
     assert "msign" in {row["name"] for row in ph["muon"]["phases"]}
-    # The timers were undone: a fresh import of the patched modules sees the originals.
-    import megatron_md.optim.md as md_mod
 
-    assert md_mod.gain_grads.__module__ == "megatron_md.optim.md"
+
+def test_phase_timers_undo_every_patch():
+    import types
+
+    class Base:
+        def update(self, x):
+            return x + 1
+
+    mod = types.SimpleNamespace(fn=lambda x: 2 * x)
+    obj = Base()
+    orig_fn, orig_update = mod.fn, Base.__dict__["update"]
+    t = bench.PhaseTimers()
+    t.patch(mod, "fn", "fn")
+    t.patch(Base, "update", "update")
+    t.patch(obj, "update", "instance update")
+    assert (mod.fn(3), obj.update(1), Base().update(1)) == (6, 2, 2)
+    assert t.calls == {"fn": 1, "update": 2, "instance update": 1}
+    t.undo()
+    assert mod.fn is orig_fn and Base.__dict__["update"] is orig_update and "update" not in obj.__dict__
 
 
 def test_markdown_beside_json_is_the_rendered_table(tiny_run):
@@ -125,6 +146,12 @@ def test_summarize_and_ratios_helpers():
     res = {"muon_md": {"median_s": 3.0, "step_s": [3.0, 6.0]}, "muon": {"median_s": 2.0, "step_s": [2.0, 3.0]}}
     assert bench.ratios_of(res) == {"muon_md/muon": 1.5}
     assert bench.paired_ratios_of(res) == {"muon_md/muon": pytest.approx((1.5 + 2.0) / 2)}
+
+
+def test_consistency_warning_when_the_two_ratio_estimates_disagree():
+    assert bench.consistency_warnings({"muon_md/muon": 1.08}, {"muon_md/muon": 1.09}) == []
+    (w,) = bench.consistency_warnings({"muon_md/muon": 1.43}, {"muon_md/muon": 1.03})
+    assert "muon_md/muon" in w and "rerun" in w
 
 
 def test_bad_optimizer_flag():
