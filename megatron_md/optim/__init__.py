@@ -1,4 +1,5 @@
-"""Optimizers of megatron_md: Magnitude-Direction decoupling (MuonMD, AdamMD) and their building blocks.
+"""Optimizers of megatron_md: Magnitude-Direction decoupling (MuonMD, AdamMD), module-wise Manifold Muon
+(ManifoldMuon, ``manifolds``), the geometry policy, and their building blocks.
 
 Pure torch (no megatron, no torch.distributed): tensor-parallel glue plugs in through ``Reducer`` and
 ``MDOptimizer.reducer_for`` / ``orthogonalizer_for``.
@@ -17,6 +18,19 @@ from .md import (
 )
 from .msign import msign, scale_factor
 from .muon_md import AdamMD, MDOptimizer, MuonMD
+from . import manifolds
+from .manifold_muon import ManifoldHyperParams, ManifoldMuon, manifold_step_
+from .policy import (
+    GEOMETRIES,
+    PRESETS,
+    ROLES,
+    Assignment,
+    AutoPolicy,
+    GeometryPolicy,
+    layer_of,
+    make_policy,
+    role_of,
+)
 
 __all__ = [
     "AdamBase",
@@ -33,4 +47,18 @@ __all__ = [
     "project_",
     "qkv_row_index",
     "scale_factor",
+    # Module-wise Manifold Muon and the geometry policy
+    "manifolds",
+    "ManifoldHyperParams",
+    "ManifoldMuon",
+    "manifold_step_",
+    "GEOMETRIES",
+    "PRESETS",
+    "ROLES",
+    "Assignment",
+    "AutoPolicy",
+    "GeometryPolicy",
+    "layer_of",
+    "make_policy",
+    "role_of",
 ]

@@ -1,0 +1,308 @@
+"""ManifoldMuon: module-wise Manifold Muon as a torch optimizer (ALGORITHMS.md §3.4), pure torch.
+
+Per matrix: sum-form momentum ``buf ← μ·buf + g``, ``u = g + μ·buf`` (Nesterov) as [MM-code], then
+``manifold="none"``: plain Muon ``W ← W(1 - lr·wd) - lr·msign(u)`` (the only branch with weight decay);
+otherwise ``W ← manifold_muon(W, u, lr)`` (dual solve + retraction, ``manifolds.py``).
+
+Modes: ``faithful`` reproduces the reference loop per matrix; ``fast`` batches same-shape matrices of a
+param group, warm-starts the dual variable from the previous step and runs a cheaper msign inside the
+dual loop (``manifolds.manifold_muon_fast``). Fused QKV is ONE matrix by default (the paper's geometry;
+``WᵀW`` is invariant to Megatron's row interleaving); ``split_qkv=True`` constrains Q, K, V separately.
+
+State per param (all tensors): ``momentum_buffer`` (fp32, like the param), ``dual_violation`` and
+``dual_iters`` (last step's RMS tangent violation / dual iterations, max over blocks) and, in fast mode,
+``dual`` (or ``dual_q``/``dual_k``/``dual_v`` when split): the ``n x n`` warm-start correction,
+``n = min(rows, cols)`` of the (block) matrix — ``n²`` extra floats per matrix, e.g. 2.4 MB for d = 768.
+
+Tensor-parallel glue gathers the full matrix and calls ``manifold_step_(W_full, grad_full, state, hp)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from .manifolds import MANIFOLDS, init_on_manifold, is_wide, manifold_muon, manifold_muon_fast, polar_express
+from .md import qkv_row_index
+
+MODES = ("faithful", "fast")
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+_QKV_NAMES = ("q", "k", "v")
+
+
+@dataclass
+class ManifoldHyperParams:
+    """Options of one ManifoldMuon param group."""
+
+    lr: float
+    manifold: str = "stiefel"
+    mode: str = "faithful"
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.0  # used by manifold "none" only (the constrained branches have none, as [MM-code])
+    dual_steps: int = 20
+    dual_lr: float = 0.1
+    tol: float = 1e-6
+    msign_steps: int = 10
+    inner_msign_steps: int = 6  # fast mode, inside the dual loop (5 Polar Express steps measured too inexact)
+    msign_dtype: Any = torch.float32  # the reference runs bf16; fp32 default for CPU accuracy
+    column_preserving: bool = False  # DGram retraction variant
+    radius: float | None = None  # sphere radius (None: keep the current one)
+    split_qkv: bool = False
+    qkv_split_shapes: tuple[int, int, int] | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_group(cls, group: dict) -> "ManifoldHyperParams":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        hp = cls(**{k: v for k, v in group.items() if k in names},
+                 extra={k: v for k, v in group.items() if k not in names and k != "params"})
+        if isinstance(hp.msign_dtype, str):
+            hp.msign_dtype = _DTYPES.get(hp.msign_dtype, hp.msign_dtype)
+        return hp
+
+    def validate(self) -> None:
+        if self.manifold not in MANIFOLDS + ("none",):
+            raise ValueError(f"unknown manifold {self.manifold!r}; choose one of {MANIFOLDS + ('none',)}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {MODES}")
+        if self.lr < 0 or not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"need lr >= 0 and momentum in [0, 1), got lr={self.lr}, momentum={self.momentum}")
+        if self.msign_dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise ValueError(f"msign_dtype must be fp32 or bf16, got {self.msign_dtype!r}")
+        if self.dual_steps < 1:
+            raise ValueError(f"dual_steps must be >= 1, got {self.dual_steps}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blocks (fused QKV split) and state
+
+
+def qkv_blocks(p: torch.Tensor, hp: ManifoldHyperParams) -> list[tuple[str, torch.Tensor | None]]:
+    """``[(state_suffix, rows)]``: one whole-matrix entry, or the Q, K, V row sets with ``split_qkv``."""
+    if not hp.split_qkv:
+        return [("", None)]
+    split = hp.qkv_split_shapes if hp.qkv_split_shapes is not None else getattr(p, "qkv_split_shapes", None)
+    if split is None:
+        raise ValueError("split_qkv=True needs qkv_split_shapes (group option or the param's attribute)")
+    return [(f"_{name}", rows) for name, rows in zip(_QKV_NAMES, qkv_row_index(p.shape[0], split, p.device))]
+
+
+def _block(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t.index_select(0, rows)
+
+
+def init_state(p: torch.Tensor, state: dict, hp: ManifoldHyperParams) -> None:
+    """Momentum, logging scalars and (fast mode) zero warm-start corrections (= a cold start)."""
+    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+    state["dual_violation"] = torch.zeros((), dtype=torch.float32)
+    state["dual_iters"] = torch.zeros((), dtype=torch.float32)
+    if hp.mode == "fast" and hp.manifold != "none":
+        for suffix, rows in qkv_blocks(p, hp):
+            m = p.shape[0] if rows is None else rows.numel()
+            n = min(m, p.shape[1])
+            state["dual" + suffix] = torch.zeros(n, n, dtype=torch.float32, device=p.device)
+
+
+def project_param_(p: torch.Tensor, hp: ManifoldHyperParams) -> None:
+    """Put ``p`` on its manifold in place (each block separately when QKV is split)."""
+    if hp.manifold == "none":
+        return
+    fn = polar_express(hp.msign_steps, hp.msign_dtype)
+    for _, rows in qkv_blocks(p, hp):
+        R = init_on_manifold(_block(p.data, rows).float(), hp.manifold, fn,
+                             **_geometry_kw(hp)).to(p.dtype)
+        p.data.copy_(R) if rows is None else p.data.index_copy_(0, rows, R)
+
+
+def _geometry_kw(hp: ManifoldHyperParams) -> dict:
+    if hp.manifold == "dgram":
+        return {"column_preserving": hp.column_preserving}
+    if hp.manifold == "sphere":
+        return {"radius": hp.radius}
+    return {}
+
+
+def momentum_(grad: torch.Tensor, state: dict, hp: ManifoldHyperParams) -> torch.Tensor:
+    """Sum-form momentum of [MM-code]: ``buf ← μ buf + g``; returns ``g + μ buf`` (Nesterov) or ``buf``."""
+    g = grad.to(torch.float32)
+    buf = state["momentum_buffer"]
+    buf.mul_(hp.momentum).add_(g)
+    return g + hp.momentum * buf if hp.nesterov else buf.clone()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The per-matrix step and the batched solve
+
+
+@dataclass
+class _Job:
+    """One constrained matrix (a param, or one Q/K/V block of it) awaiting its solve."""
+
+    W_full: torch.Tensor
+    state: dict
+    key: str
+    rows: torch.Tensor | None
+    W: torch.Tensor
+    U: torch.Tensor
+
+
+def _jobs(W_full: torch.Tensor, U: torch.Tensor, state: dict, hp: ManifoldHyperParams) -> list[_Job]:
+    return [_Job(W_full, state, "dual" + suffix, rows, _block(W_full, rows).float(), _block(U, rows))
+            for suffix, rows in qkv_blocks(W_full, hp)]
+
+
+def _write(job: _Job, new_W: torch.Tensor, violation: float, iters: float) -> None:
+    new_W = new_W.to(job.W_full.dtype)
+    if job.rows is None:
+        job.W_full.copy_(new_W)
+    else:
+        job.W_full.index_copy_(0, job.rows, new_W)
+    job.state["dual_violation"].fill_(max(violation, float(job.state["dual_violation"])))
+    job.state["dual_iters"].fill_(max(iters, float(job.state["dual_iters"])))
+
+
+def run_jobs(jobs: list[_Job], hp: ManifoldHyperParams) -> None:
+    """Solve and write back. faithful: one reference solve per matrix; fast: one stacked solve per shape."""
+    for job in jobs:  # per-step logging restarts (max over the param's blocks)
+        job.state["dual_violation"].zero_()
+        job.state["dual_iters"].zero_()
+    common = dict(dual_steps=hp.dual_steps, dual_lr=hp.dual_lr, tol=hp.tol, msign_steps=hp.msign_steps,
+                  msign_dtype=hp.msign_dtype, **_geometry_kw(hp))
+    if hp.mode == "faithful":
+        for job in jobs:
+            new_W, _, info = manifold_muon(job.W, job.U, hp.manifold, hp.lr, return_info=True, **common)
+            _write(job, new_W, float(info["rms_violation"]), float(info["iters"]))
+        return
+    by_shape: dict[tuple, list[_Job]] = {}
+    for job in jobs:
+        by_shape.setdefault((tuple(job.W.shape), job.W.device), []).append(job)
+    for group in by_shape.values():
+        W = torch.stack([j.W for j in group])
+        U = torch.stack([j.U for j in group])
+        n = min(W.shape[-2:])
+        duals = [j.state.get(j.key) for j in group]
+        dual = None
+        if all(d is not None and tuple(d.shape) == (n, n) for d in duals):
+            dual = torch.stack(duals)  # type: ignore[arg-type]
+        new_W, corr, info = manifold_muon_fast(W, U, hp.manifold, hp.lr, dual,
+                                               inner_msign_steps=hp.inner_msign_steps, **common)
+        for i, job in enumerate(group):
+            job.state[job.key] = corr[i].to(torch.float32).clone()
+            _write(job, new_W[i], float(info["rms_violation"][i]), float(info["iters"][i]))
+
+
+@torch.no_grad()
+def manifold_step_(W_full: torch.Tensor, grad_full: torch.Tensor, state: dict, hp: ManifoldHyperParams) -> None:
+    """One ManifoldMuon step on a full (gathered) matrix in place; ``state`` from ``init_state``."""
+    U = momentum_(grad_full, state, hp)
+    if hp.manifold == "none":
+        fn = polar_express(hp.msign_steps, hp.msign_dtype)
+        if hp.weight_decay:
+            W_full.mul_(1.0 - hp.lr * hp.weight_decay)
+        for _, rows in qkv_blocks(W_full, hp):
+            upd = (-hp.lr * fn(_block(U, rows))).to(W_full.dtype)
+            W_full.add_(upd) if rows is None else W_full.index_add_(0, rows, upd)
+        return
+    run_jobs(_jobs(W_full, U, state, hp), hp)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+class ManifoldMuon(torch.optim.Optimizer):
+    """Module-wise Manifold Muon over 2-D matrices; param groups choose ``manifold`` and ``mode``.
+
+    ``manifold`` ∈ {"stiefel", "dgram", "oblique", "sphere", "none"}; parameters are projected onto their
+    manifold at construction (wide ones by transposition). 1-D parameters are refused (use AdamW).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        manifold: str = "stiefel",
+        mode: str = "faithful",
+        weight_decay: float = 0.0,
+        dual_steps: int = 20,
+        dual_lr: float = 0.1,
+        tol: float = 1e-6,
+        *,
+        msign_steps: int = 10,
+        inner_msign_steps: int = 6,
+        msign_dtype: Any = torch.float32,
+        column_preserving: bool = False,
+        radius: float | None = None,
+        split_qkv: bool = False,
+        qkv_split_shapes: tuple[int, int, int] | None = None,
+        project: bool = True,
+    ):
+        self._project = project
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, manifold=manifold, mode=mode,
+            weight_decay=weight_decay, dual_steps=dual_steps, dual_lr=dual_lr, tol=tol,
+            msign_steps=msign_steps, inner_msign_steps=inner_msign_steps, msign_dtype=msign_dtype,
+            column_preserving=column_preserving, radius=radius, split_qkv=split_qkv,
+            qkv_split_shapes=qkv_split_shapes,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"ManifoldMuon manages 2-D weight matrices only, got shape {tuple(p.shape)}; put 1-D "
+                    f"parameters (norm gains, biases) and embeddings in a torch.optim.AdamW next to it"
+                )
+        super().add_param_group({**param_group, "params": params})
+        group = self.param_groups[-1]
+        hp = ManifoldHyperParams.from_group(group)
+        hp.validate()
+        with torch.no_grad():
+            for p in group["params"]:
+                qkv_blocks(p, hp)  # fail early on split_qkv without split shapes
+                if self._project:
+                    project_param_(p, hp)
+                if not self.state[p]:
+                    init_state(p, self.state[p], hp)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hp = ManifoldHyperParams.from_group(group)
+            jobs: list[_Job] = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # e.g. after loading weights without optimizer state
+                    init_state(p, state, hp)
+                if hp.mode == "fast" and hp.manifold != "none":
+                    jobs += _jobs(p.data, momentum_(p.grad, state, hp), state, hp)
+                else:
+                    manifold_step_(p.data, p.grad, state, hp)
+            if jobs:  # fast mode: every same-shape matrix of the group in one stacked solve
+                run_jobs(jobs, hp)
+        return loss
+
+    def constraint_report(self) -> dict[int, dict[str, float]]:
+        """Last step's dual-solve figures per param index (order of ``param_groups``)."""
+        out, i = {}, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p, {})
+                out[i] = {"manifold": group["manifold"], "rms_violation": float(st.get("dual_violation", 0.0)),
+                          "dual_iters": float(st.get("dual_iters", 0.0)), "wide": is_wide(p)}
+                i += 1
+        return out
