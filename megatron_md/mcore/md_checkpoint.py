@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
 
+DUAL_KEYS = ("dual", "dual_q", "dual_k", "dual_v")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
@@ -107,7 +108,17 @@ def md_sharded_state(optimizer, *, loading: bool = False, layer_wise: bool = Fal
             for p in group["params"]:
                 state = opt.state.get(p) or {}
                 key = getattr(p, "md_key", None)
-                if key is None or "gain_step" not in state:
+                if key is None:
+                    continue
+                for name in DUAL_KEYS:  # Manifold Muon warm-start duals: full-matrix, TP-replicated
+                    if name in state:
+                        tp_rank, _ = _tp(p)
+                        t = state[name]
+                        out[f"{key}/{name}"] = ShardedTensor.from_rank_offsets(
+                            f"mm/{key}/{name}", torch.empty_like(t) if loading else t,
+                            replica_id=(tp_rank, 0 if layer_wise else _dp_rank(p)),
+                        )
+                if "gain_step" not in state:
                     continue
                 for axis in ("row", "col"):
                     if f"rho_{axis}" in state:
@@ -129,7 +140,12 @@ def load_md_state(optimizer, loaded: dict) -> int:
             for p in group["params"]:
                 key = getattr(p, "md_key", None)
                 state = opt.state.get(p)
-                if key is None or not state or f"{key}/step" not in loaded:
+                if key is None or not state:
+                    continue
+                for name in DUAL_KEYS:
+                    if f"{key}/{name}" in loaded and name in state:
+                        state[name].copy_(loaded[f"{key}/{name}"])
+                if f"{key}/step" not in loaded:
                     continue
                 for axis in ("row", "col"):
                     if f"{key}/{axis}" in loaded:

@@ -79,8 +79,9 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     optimizer: str = opt(
-        "adam", "Optimizer: adam, megatron-core's muon, or MD decoupling (muon_md, adam_md).",
-        ["adam", "muon", "muon_md", "adam_md"],
+        "adam", "Optimizer: adam, megatron-core's muon, MD decoupling (muon_md, adam_md), or "
+        "module-wise Manifold Muon (manifold_muon, with --geometry).",
+        ["adam", "muon", "muon_md", "adam_md", "manifold_muon"],
     )
     lr: float = opt(3e-4, "Peak learning rate (1-D params and LM head; all params for adam/muon).")
     min_lr: float = opt(0.0, "Final learning rate.")
@@ -124,6 +125,21 @@ class OptimConfig:
     md_output_sphere: str = opt("row", "MD: LM-head sphere (none: plain AdamW).", ["row", "none"])
     md_output_gains: str = opt("rowcol", "MD: LM-head gains.", ["rowcol", "row", "col", "none"])
     md_router_sphere: str = opt("row", "MD: MoE router sphere.", ["row", "flat"])
+    geometry: str = opt(
+        "hetero", "manifold_muon: a preset (unconstrained, all-stiefel, all-dgram, hetero, hetero-inv, md, "
+        "hetero-md) or rules like 'attention=stiefel,mlp=dgram,experts=md'."
+    )
+    geometry_auto_sigma_max: Optional[float] = opt(
+        None, "--geometry auto:PRESET: move a module to Stiefel once its sigma_max exceeds this."
+    )
+    geometry_auto_logit: Optional[float] = opt(
+        None, "--geometry auto:PRESET: move a layer's attention to Stiefel once its max logit exceeds this."
+    )
+    manifold_mode: str = opt("fast", "manifold_muon dual solve: faithful (reference) or fast.", ["faithful", "fast"])
+    manifold_dual_steps: int = opt(20, "manifold_muon: dual-ascent iterations K.")
+    manifold_dual_lr: float = opt(0.1, "manifold_muon: dual step alpha (linearly decayed).")
+    manifold_msign_steps: int = opt(10, "manifold_muon: Polar Express steps of msign.")
+    manifold_split_qkv: bool = opt(False, "manifold_muon: constrain Q, K, V separately (default: fused).")
     md_out_proj_radius: bool = opt(
         False, "MD: out-projections (attention proj, fc2) on a sphere and update scaled by 1/sqrt(2L)."
     )

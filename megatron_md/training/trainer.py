@@ -145,7 +145,20 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         muon_extra_scale_factor=o.muon_extra_scale_factor,
         muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
     )
-    if o.optimizer in ("muon_md", "adam_md"):
+    if o.optimizer == "manifold_muon":
+        from megatron.core.optimizer import get_standard_config_overrides
+
+        from megatron_md.mcore import manifold_optimizer as mm, md_optimizer as mdo
+
+        ocfg = mm.ManifoldOptimizerConfig(
+            **common, **mdo.optimizer_config_kwargs(o), **mm.manifold_config_kwargs(o),
+            md_num_layers=cfg.model.num_layers,
+        )
+        policy = mm.register(ocfg)
+        overrides = {**get_standard_config_overrides(ocfg), **mm.manifold_param_overrides(ocfg, policy)}
+        optimizer = get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides)
+        optimizer.megatron_md_policy = policy
+    elif o.optimizer in ("muon_md", "adam_md"):
         from megatron.core.optimizer import get_standard_config_overrides
 
         from megatron_md.mcore import md_optimizer as mdo
@@ -264,6 +277,7 @@ class Trainer:
         self.num_micro = self.gbs // (self.dp_size * cfg.training.micro_batch_size)
         self.state = TrainState()
         self.forward_backward = get_forward_backward_func()
+        self.logger_lines: list[str] = []
         self.resumed = self._maybe_load()
         self.logger = RunLogger(
             self._run_dir(),
@@ -303,6 +317,7 @@ class Trainer:
             extra = common.get("extra", {})
             self.state.skipped_total = extra.get("skipped_total", 0)
             self.state.nan_total = extra.get("nan_total", 0)
+            self._restore_auto_policy(extra.get("auto_policy"))
             self._loaded_from = common["path"]
             return True
         if c.pretrained_checkpoint:
@@ -331,6 +346,11 @@ class Trainer:
         )
         if hasattr(self, "_loaded_from"):
             log.print(f"loaded checkpoint {self._loaded_from} at iteration {self.state.iteration}")
+        policy = getattr(self.optimizer, "megatron_md_policy", None)
+        if policy is not None:
+            log.print(policy.describe())
+        for line in self.logger_lines:
+            log.print(line)
         log.print(f"run directory: {Path(cfg.logging.run_dir).resolve()}")
 
     def _datasets(self):
@@ -418,7 +438,8 @@ class Trainer:
             consumed_samples=self.state.consumed_samples,
             run_config_yaml=self.cfg.to_yaml(),
             tokenizer_model=self.cfg.data.tokenizer_model,
-            extra={"skipped_total": self.state.skipped_total, "nan_total": self.state.nan_total},
+            extra={"skipped_total": self.state.skipped_total, "nan_total": self.state.nan_total,
+                   "auto_policy": self._auto_policy_state()},
             layer_wise=layer_wise(self.cfg),
         )
         self.logger.print(f"saved checkpoint {path.resolve()}")
@@ -500,11 +521,32 @@ class Trainer:
         if self._diagnostics_due(self.state.iteration):
             from megatron_md.training.diagnostics import collect
 
-            rec.update(collect(self.model, self.optimizer, self.probe))
-        matrix_lr = self._group_lr("hidden")
+            diag = collect(self.model, self.optimizer, self.probe)
+            rec.update(diag)
+            policy = getattr(self.optimizer, "megatron_md_policy", None)
+            if policy is not None:
+                from megatron_md.mcore.manifold_optimizer import auto_observe
+
+                for line in auto_observe(policy, self.optimizer, diag):
+                    self.logger.print(line)
+        matrix_lr = self._group_lr("hidden") or self._group_lr("manifold")
         if matrix_lr is not None:
             rec["matrix_lr"] = matrix_lr
         self.logger.log_train(rec)
+
+    def _auto_policy_state(self):
+        policy = getattr(self.optimizer, "megatron_md_policy", None)
+        return policy.state_dict() if hasattr(policy, "switched") else None
+
+    def _restore_auto_policy(self, state) -> None:
+        policy = getattr(self.optimizer, "megatron_md_policy", None)
+        if state and hasattr(policy, "switched"):
+            from megatron_md.mcore.manifold_optimizer import apply_switches
+
+            policy.load_state_dict(state)
+            apply_switches(policy, self.optimizer)
+            for line in policy.log:
+                self.logger_lines.append(f"(restored) {line}")
 
     def _diagnostics_due(self, iteration: int) -> bool:
         lg = self.cfg.logging

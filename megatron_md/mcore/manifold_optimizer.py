@@ -1,0 +1,243 @@
+"""``--optimizer manifold_muon --geometry PRESET|RULES`` inside megatron-core.
+
+One registry entry drives every geometry policy: each role (attention.qkv, attention.proj,
+mlp.fc1/fc2, experts, router, embedding, head) becomes a param group carrying its geometry:
+Stiefel / DGram / Oblique / sphere groups take the Manifold Muon step (gathered over TP,
+``parallel/manifold.py``), ``md`` groups the MD step of ``MegatronMD`` (so ``hetero-md`` mixes
+both in one optimizer), ``none`` groups with a Muon base plain Muon, the rest AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+from megatron.core.optimizer.emerging_optimizers import (
+    _EMERGING_OPTIMIZERS,
+    EmergingOptimizerEntry,
+    _eopt_init_state_fn,
+)
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+
+from megatron_md.mcore.md_optimizer import MDOptimizerConfig, MegatronMD, md_param_overrides
+from megatron_md.optim.manifold_muon import ManifoldHyperParams, init_state
+from megatron_md.optim.policy import (
+    MANIFOLD_GEOMETRIES,
+    AutoPolicy,
+    GeometryPolicy,
+    layer_of,
+    make_policy,
+    role_of,
+)
+from megatron_md.parallel.manifold import manifold_step_sharded_, project_sharded_
+
+MM_STATE_KEYS = ("dual", "dual_q", "dual_k", "dual_v", "dual_violation", "dual_iters")
+
+
+@dataclass
+class ManifoldOptimizerConfig(MDOptimizerConfig):
+    geometry: str = "hetero"
+    manifold_mode: str = "fast"
+    manifold_dual_steps: int = 20
+    manifold_dual_lr: float = 0.1
+    manifold_msign_steps: int = 10
+    manifold_split_qkv: bool = False
+    geometry_auto_sigma_max: float | None = None
+    geometry_auto_logit: float | None = None
+
+
+def _is_manifold_group(group: dict) -> bool:
+    return group.get("manifold", "md") != "md"
+
+
+class MegatronManifoldMuon(MegatronMD):
+    """MegatronMD plus Manifold Muon groups; geometry per group, TP handled by gathering."""
+
+    def __init__(self, params, config: ManifoldOptimizerConfig, pg_collection=None):
+        self.mm_defaults = dict(
+            manifold="none", mode=config.manifold_mode, dual_steps=config.manifold_dual_steps,
+            dual_lr=config.manifold_dual_lr, tol=1e-6, msign_steps=config.manifold_msign_steps,
+            split_qkv=config.manifold_split_qkv,
+        )
+        self.geometry_override: dict[str, str] = {}  # md_key -> geometry (auto policy switches)
+        super().__init__(params, config, pg_collection)
+
+    def switch_geometry(self, matches, geometry: str) -> list[str]:
+        """Move manifold-group params for which ``matches(md_key)`` holds to ``geometry``."""
+        moved = []
+        for group in self.param_groups:
+            if not _is_manifold_group(group):
+                continue
+            for p in group["params"]:
+                key = getattr(p, "md_key", None) or ""
+                if matches(key) and self.geometry_override.get(key) != geometry:
+                    self.geometry_override[key] = geometry
+                    moved.append(key)
+        return moved
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not _is_manifold_group(param_group):
+            return super().add_param_group(param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        torch.optim.Optimizer.add_param_group(self, {**self.mm_defaults, **param_group, "params": params})
+        group = self.param_groups[-1]
+        hp = ManifoldHyperParams.from_group(group)
+        hp.validate()
+        with torch.no_grad():
+            for p in group["params"]:
+                r = self.reducer_for(p)
+                project_sharded_(p, hp, r.group, r.dim)
+                init_state(p, self.state[p], hp)
+
+    def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
+        if not _is_manifold_group(group):
+            return super()._init_group(group, skip_non_grad_params)
+        hp = ManifoldHyperParams.from_group(group)
+        for p in group["params"]:
+            if not self.state[p]:
+                init_state(p, self.state[p], hp)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        everything = self.param_groups
+        self.param_groups = [g for g in everything if not _is_manifold_group(g)]
+        try:
+            super().step(closure)
+        finally:
+            self.param_groups = everything
+        for group in everything:
+            if not _is_manifold_group(group):
+                continue
+            hp = ManifoldHyperParams.from_group(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    init_state(p, self.state[p], hp)
+                override = self.geometry_override.get(getattr(p, "md_key", None) or "")
+                hp_p = hp if override is None else dataclasses.replace(hp, manifold=override)
+                r = self.reducer_for(p)
+                manifold_step_sharded_(p, p.grad, self.state[p], hp_p, r.group, r.dim)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["state"] = {i: {k: v for k, v in s.items() if k not in MM_STATE_KEYS} for i, s in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        kept = {p: {k: v for k, v in s.items() if k in MM_STATE_KEYS} for p, s in self.state.items()}
+        super().load_state_dict(state_dict)
+        for p, extra in kept.items():
+            self.state[p].update(extra)
+
+
+def _routing(policy: GeometryPolicy):
+    def assignment(p: torch.Tensor):
+        return policy.assign(role_of(getattr(p, "md_key", None) or ""))
+
+    def to_adamw(p: torch.Tensor) -> bool:
+        if p.ndim != 2:
+            return True
+        a = assignment(p)
+        return a.geometry == "none" and a.base == "adam"
+
+    return assignment, to_adamw
+
+
+def build_policy(config: ManifoldOptimizerConfig) -> GeometryPolicy:
+    """``--geometry PRESET|RULES``, or ``auto:PRESET|RULES`` with the auto-switch thresholds."""
+    spec = config.geometry
+    if spec.startswith("auto:") or spec == "auto":
+        base = spec.partition(":")[2] or "hetero"
+        if config.geometry_auto_sigma_max is None and config.geometry_auto_logit is None:
+            raise ValueError("--geometry auto needs --geometry-auto-sigma-max and/or --geometry-auto-logit")
+        return AutoPolicy(base, config.geometry_auto_sigma_max, config.geometry_auto_logit)
+    return make_policy(spec)
+
+
+_DIAG = re.compile(r"^diag/L(\d+)\.(attention\.qkv|attention\.proj|mlp\.fc1|mlp\.fc2)/sigma_max$")
+_LOGIT = re.compile(r"^diag/L(\d+)\.max_logit$")
+
+
+def auto_observe(policy: GeometryPolicy, optimizer, diagnostics: dict) -> list[str]:
+    """Feed one round of diagnostics to an AutoPolicy; apply its switches to every manifold optimizer.
+
+    Every rank calls this with the same (all-gathered) diagnostics, so the switches agree.
+    """
+    if not isinstance(policy, AutoPolicy):
+        return []
+    lines = []
+    for key, value in diagnostics.items():
+        m = _DIAG.match(key)
+        if m:
+            lines += policy.observe(f"layers.{m.group(1)}.{m.group(2)}", sigma_max=value)
+        m = _LOGIT.match(key)
+        if m:
+            lines += policy.observe(int(m.group(1)), max_logit=value)
+    if lines:
+        apply_switches(policy, optimizer)
+    return lines
+
+
+def apply_switches(policy: AutoPolicy, optimizer) -> None:
+    """Make every manifold optimizer follow the policy's recorded switches (also after a resume)."""
+    from megatron_md.mcore.md_checkpoint import md_optimizers
+
+    for opt in md_optimizers(optimizer):
+        if isinstance(opt, MegatronManifoldMuon):
+            for (layer, role) in policy.switched:
+                opt.switch_geometry(
+                    lambda k, layer=layer, role=role: role_of(k) == role and (layer is None or layer_of(k) == layer),
+                    policy.target,
+                )
+
+
+def register(config: ManifoldOptimizerConfig) -> GeometryPolicy:
+    policy = build_policy(config)
+    _, to_adamw = _routing(policy)
+    _EMERGING_OPTIMIZERS["manifold_muon"] = EmergingOptimizerEntry(
+        optimizer_cls=MegatronManifoldMuon,
+        init_state_fn=_eopt_init_state_fn,
+        config_to_kwargs=lambda cfg, chunks, pg: {"config": cfg, "pg_collection": pg},
+        default_param_overrides={
+            ParamKey(predicate=ParamPredicate(name="mm_adamw", fn=to_adamw)): {"optimizer": "adam"}
+        },
+    )
+    return policy
+
+
+def manifold_param_overrides(config: ManifoldOptimizerConfig, policy: GeometryPolicy) -> dict:
+    """One group per role, tagged with its geometry (MD roles reuse the MD routing's settings)."""
+    md = {}
+    for key, value in md_param_overrides(config).items():
+        md[value.get("md_role", "embedding")] = value
+    lr, min_ratio = config.lr, (config.min_lr / config.lr if config.lr else 0.0)
+    matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
+    out = {}
+    for role in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2", "experts.fc1", "experts.fc2",
+                 "router", "embedding", "head"):
+        a = policy.assign(role)
+        key = ParamKey(predicate=ParamPredicate(
+            name=f"mm_{role}", fn=lambda p, role=role: p.ndim == 2 and role_of(getattr(p, "md_key", "") or "") == role
+        ))
+        if a.geometry == "md":
+            base = {"hidden": md.get("hidden"), "router": md.get("router"),
+                    "embedding": md.get("embedding"), "head": md.get("output")}
+            src = base["router" if role == "router" else role if role in ("embedding", "head") else "hidden"]
+            out[key] = {**src, "is_decoupled_lr": f"md:{role}"}
+        elif a.geometry in MANIFOLD_GEOMETRIES or (a.geometry == "none" and a.base == "muon"):
+            out[key] = {"max_lr": matrix_lr, "min_lr": matrix_lr * min_ratio, "manifold": a.geometry,
+                        "md_role": "manifold", "is_decoupled_lr": f"mm:{role}"}
+    return out
+
+
+def manifold_config_kwargs(o) -> dict:
+    return dict(
+        geometry=o.geometry, manifold_mode=o.manifold_mode, manifold_dual_steps=o.manifold_dual_steps,
+        manifold_dual_lr=o.manifold_dual_lr, manifold_msign_steps=o.manifold_msign_steps,
+        manifold_split_qkv=o.manifold_split_qkv, geometry_auto_sigma_max=o.geometry_auto_sigma_max,
+        geometry_auto_logit=o.geometry_auto_logit,
+    )
