@@ -92,6 +92,23 @@ class MegatronManifoldMuon(MegatronMD):
                 project_sharded_(p, hp, r.group, r.dim)
                 init_state(p, self.state[p], hp)
 
+    @torch.no_grad()
+    def reset_from_weights(self) -> None:
+        everything = self.param_groups
+        self.param_groups = [g for g in everything if not _is_manifold_group(g)]
+        try:
+            super().reset_from_weights()
+        finally:
+            self.param_groups = everything
+        for group in everything:
+            if _is_manifold_group(group):
+                hp = ManifoldHyperParams.from_group(group)
+                for p in group["params"]:
+                    r = self.reducer_for(p)
+                    project_sharded_(p, hp, r.group, r.dim)
+                    self.state[p].clear()
+                    init_state(p, self.state[p], hp)
+
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
         if not _is_manifold_group(group):
             return super()._init_group(group, skip_non_grad_params)

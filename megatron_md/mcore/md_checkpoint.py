@@ -162,15 +162,8 @@ def reset_md_from_weights(optimizer) -> None:
 
     Used by ``--pretrained-checkpoint`` and ``--no-load-optim``, where no MD state comes along.
     """
-    from megatron_md.optim.md import MDHyperParams
-
     for o, inner in md_wrappers(optimizer):
-        with torch.no_grad():
-            for group in inner.param_groups:
-                hp = MDHyperParams.from_group(group)
-                for p in group["params"]:
-                    inner.state[p].clear()
-                    inner._init_param(p, hp, project=True)
+        inner.reset_from_weights()
         if hasattr(o, "_copy_main_params_to_model_params"):
             o._copy_main_params_to_model_params()
 

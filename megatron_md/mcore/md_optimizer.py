@@ -111,6 +111,15 @@ class MegatronMD(MDOptimizer):
                 self._init_param(p, hp, project=False)
 
     @torch.no_grad()
+    def reset_from_weights(self) -> None:
+        """Fresh state for weights loaded without it: gains 1, directions projected on their spheres."""
+        for group in self.param_groups:
+            hp = MDHyperParams.from_group(group)
+            for p in group["params"]:
+                self.state[p].clear()
+                self._init_param(p, hp, project=True)
+
+    @torch.no_grad()
     def step(self, closure=None):
         # Gains follow the matrix group's schedule coefficient (ALGORITHMS.md §2.5).
         for group in self.param_groups:
