@@ -85,14 +85,14 @@ PRESETS: dict[str, dict] = {
     "dense-827m": dict(_PAPER_DENSE, hidden_size=1536),
     "dense-1.29b": dict(_PAPER_DENSE, hidden_size=2048),
     # MoE family: fine-grained experts, top-k routing with aux-loss balancing.
-    "moe-1.1b": dict(
+    "moe-0.9b": dict(
         _PAPER_DENSE,
         hidden_size=1024,
         num_experts=16,
         moe_router_topk=2,
         moe_ffn_ratio=1.0,
     ),
-    "moe-2.9b": dict(
+    "moe-2.3b": dict(
         _PAPER_DENSE,
         num_layers=16,
         hidden_size=1536,

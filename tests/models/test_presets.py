@@ -65,3 +65,11 @@ def test_params_cli_lists_every_preset(capsys):
 def test_unknown_preset_is_a_clear_error(capsys):
     assert cli_main(["params", "--model", "dense-9000b"]) == 2
     assert "--model 'dense-9000b' is not a known preset" in capsys.readouterr().err
+
+
+def test_moe_preset_names_state_their_total():
+    for name in PRESETS:
+        if name.startswith("moe-"):
+            stated = float(name[4:-1]) * 1e9
+            n = count_parameters(resolve(name, None, {}).model).total
+            assert abs(n - stated) / stated < 0.05, (name, n)
