@@ -33,8 +33,10 @@ import platform
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from phase_timers import inner_optimizers, phase_breakdown  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "optimizer_step_cpu.json"
@@ -277,13 +279,6 @@ class Subject:
         return out
 
 
-def inner_optimizers(optimizer) -> list:
-    """(megatron wrapper, torch optimizer) for every optimizer inside a ChainedOptimizer."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    wrappers = list(chained) if chained else [optimizer]
-    return [(w, w.optimizer) for w in wrappers]
-
-
 def _tensor_bytes(obj) -> tuple[int, int]:
     import torch
 
@@ -323,146 +318,6 @@ def state_bytes(optimizer) -> dict:
         })
     total = sum(p["state_bytes"] + p["master_bytes"] for p in parts)
     return {"total": total, "by_optimizer": parts}
-
-
-# ----------------------------------------------------------------------------- phase timers
-
-class PhaseTimers:
-    """Inclusive wall time per name, accumulated over calls; patches are undone on exit."""
-
-    def __init__(self):
-        self.totals: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self._undo: list = []
-
-    def wrap(self, fn, name):
-        totals, calls = self.totals, self.calls
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                totals[name] += time.perf_counter() - t0
-                calls[name] += 1
-
-        return timed
-
-    def patch(self, owner, attr: str, name: str) -> None:
-        orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        had_own = isinstance(owner, type) or attr in getattr(owner, "__dict__", {})
-        setattr(owner, attr, self.wrap(getattr(owner, attr), name))
-        self._undo.append((owner, attr, orig, had_own))
-
-    def undo(self) -> None:
-        while self._undo:
-            owner, attr, orig, had_own = self._undo.pop()
-            if had_own:
-                setattr(owner, attr, orig)
-            else:
-                delattr(owner, attr)
-
-
-# (label, attribute of megatron_md.optim.md) timed inside md_step_; they do not nest in each other
-# except msign, which runs inside MuonBase.update.
-MD_PHASES = (
-    ("current_gains (phi)", "current_gains"),
-    ("recover_direction", "recover_direction"),
-    ("gain_grads", "gain_grads"),
-    ("direction_grad", "direction_grad"),
-    ("project_blocks_ (sphere)", "project_blocks_"),
-    ("adam_ (gains)", "adam_"),
-    ("refuse", "refuse"),
-)
-
-
-def _md_role(p) -> str:
-    key = getattr(p, "md_key", "") or ""
-    if "word_embeddings" in key:
-        return "embedding"
-    if "output_layer" in key:
-        return "output"
-    if "router" in key:
-        return "router"
-    return "hidden"
-
-
-@contextlib.contextmanager
-def phase_timers(subject: Subject):
-    """Patch timers around the inner optimizers' steps, msign, and (muon_md) the MD phases."""
-    t = PhaseTimers()
-    try:
-        for _, inner in inner_optimizers(subject.optimizer):
-            t.patch(inner, "step", f"inner step: {type(inner).__name__}")
-        if subject.name == "muon_md":
-            import megatron_md.optim.md as md
-            import megatron_md.optim.muon_md as muon_md
-            import megatron_md.parallel.tp as tp
-
-            orig_step = muon_md.md_step_
-
-            def md_step_by_role(p, *a, **k):
-                return t.wrap(orig_step, f"md_step_ [{_md_role(p)}]")(p, *a, **k)
-
-            muon_md.md_step_ = md_step_by_role
-            t._undo.append((muon_md, "md_step_", orig_step, True))
-            for label, attr in MD_PHASES:
-                t.patch(md, attr, label)
-            t.patch(md.MuonBase, "update", "MuonBase.update (momentum+msign+scale)")
-            t.patch(md.AdamBase, "update", "AdamBase.update (moments)")
-            t.patch(tp, "msign", "msign")
-        elif subject.name == "muon":
-            import megatron.core.optimizer.emerging_optimizers as eo
-
-            t.patch(eo, "newton_schulz_tp", "msign")
-        yield t
-    finally:
-        t.undo()
-
-
-def phase_breakdown(subject: Subject, steps: int) -> dict:
-    """Per-step seconds of each phase (mean over ``steps`` extra steps) and derived remainders."""
-    with phase_timers(subject) as t:
-        totals = [subject.timed_step() for _ in range(steps)]
-    per = {k: v / steps for k, v in t.totals.items()}
-    calls = {k: v // steps for k, v in t.calls.items()}
-    step_s = statistics.fmean(totals)
-    rows = []
-
-    def add(name, seconds, derived=False):
-        rows.append({"name": name, "seconds": seconds, "share": seconds / step_s if step_s else 0.0,
-                     "calls": calls.get(name), "derived": derived})
-
-    inner = {k: v for k, v in per.items() if k.startswith("inner step: ")}
-    for k, v in inner.items():
-        add(k, v)
-    add("megatron wrapper (grad norm, clipping)", step_s - sum(inner.values()), derived=True)
-    if "msign" in per:
-        add("msign", per["msign"])
-    if subject.name == "muon_md":
-        md_total = 0.0
-        for k in sorted(per):
-            if k.startswith("md_step_ ["):
-                add(k, per[k])
-                md_total += per[k]
-        children = 0.0
-        for label, _ in MD_PHASES:
-            if label in per:
-                add(label, per[label])
-                children += per[label]
-        mb = per.get("MuonBase.update (momentum+msign+scale)", 0.0)
-        ab = per.get("AdamBase.update (moments)", 0.0)
-        add("MuonBase.update minus msign (momentum, blocks, scale)", mb - per.get("msign", 0.0), derived=True)
-        add("AdamBase.update (moments)", ab)
-        add("md_step_ rest (casts, lr step, re-fuse copy, dispatch)", md_total - children - mb - ab, derived=True)
-        add("MegatronMD.step outside md_step_ (group loop, hp parsing)",
-            inner.get("inner step: MegatronMD", 0.0) - md_total, derived=True)
-        add("MD overhead (MD step minus msign)", md_total - per.get("msign", 0.0), derived=True)
-    elif subject.name == "muon":
-        muon = inner.get("inner step: TensorParallelMuon", 0.0)
-        add("TensorParallelMuon.step minus msign (momentum, split, scale, update)", muon - per.get("msign", 0.0),
-            derived=True)
-    return {"steps": steps, "step_s": step_s, "phases": rows}
 
 
 # ----------------------------------------------------------------------------- world
