@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import torch
 
 from .manifolds import MANIFOLDS, init_on_manifold, is_wide, manifold_muon, manifold_muon_fast, polar_express
-from .md import qkv_row_index
+from .md import matrix_params, qkv_row_index
 
 MODES = ("faithful", "fast")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
@@ -253,14 +253,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
-            if p.ndim != 2:
-                raise ValueError(
-                    f"ManifoldMuon manages 2-D weight matrices only, got shape {tuple(p.shape)}; put 1-D "
-                    f"parameters (norm gains, biases) and embeddings in a torch.optim.AdamW next to it"
-                )
+        params = matrix_params(param_group, "ManifoldMuon")
         super().add_param_group({**param_group, "params": params})
         group = self.param_groups[-1]
         hp = ManifoldHyperParams.from_group(group)

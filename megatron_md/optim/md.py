@@ -51,6 +51,19 @@ class Reducer:
 LOCAL_REDUCER = Reducer()
 
 
+def matrix_params(param_group: dict, owner: str) -> list[torch.Tensor]:
+    """The group's params as a list, refusing anything that is not a 2-D weight matrix."""
+    params = param_group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    for p in params:
+        if p.ndim != 2:
+            raise ValueError(
+                f"{owner} manages 2-D weight matrices only, got a parameter of shape {tuple(p.shape)}; put "
+                "1-D parameters (norm gains, biases) in a plain torch.optim.AdamW next to it"
+            )
+    return params
+
+
 # ----------------------------------------------------------------------------------------------------
 # Gain parametrisation γ = φ(ρ)
 

@@ -26,6 +26,7 @@ from .md import (
     current_gains,
     init_md_state,
     matrix_blocks,
+    matrix_params,
     md_step_,
     project_blocks_,
     recover_direction,
@@ -56,15 +57,7 @@ class MDOptimizer(torch.optim.Optimizer):
 
     # --- construction --------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
-            if p.ndim != 2:
-                raise ValueError(
-                    f"{type(self).__name__} manages 2-D weight matrices only, got a parameter of shape "
-                    f"{tuple(p.shape)}; put 1-D parameters (norm gains, biases) in a plain torch.optim.AdamW "
-                    f"next to it"
-                )
+        params = matrix_params(param_group, type(self).__name__)
         super().add_param_group({**param_group, "params": params})
         group = self.param_groups[-1]
         hp = MDHyperParams.from_group(group)
