@@ -4,9 +4,10 @@ Per matrix: sum-form momentum ``buf ← μ·buf + g``, ``u = g + μ·buf`` (Nest
 ``manifold="none"``: plain Muon ``W ← W(1 - lr·wd) - lr·msign(u)`` (the only branch with weight decay);
 otherwise ``W ← manifold_muon(W, u, lr)`` (dual solve + retraction, ``manifolds.py``).
 
-Modes: ``faithful`` reproduces the reference loop per matrix; ``fast`` batches same-shape matrices of a
-param group, warm-starts the dual variable from the previous step and runs a cheaper msign inside the
-dual loop (``manifolds.manifold_muon_fast``). Fused QKV is ONE matrix by default (the paper's geometry;
+Modes: ``faithful`` reproduces the reference loop per matrix (K = ``dual_steps`` msigns per step); ``fast``
+batches same-shape matrices of a param group and amortises the dual ascent over optimizer steps
+(``fast_dual_steps`` = 1 msign per step by default, a scale-free dual step, the correction carried to the
+next step; ``manifolds.manifold_muon_fast``). Fused QKV is ONE matrix by default (the paper's geometry;
 ``WᵀW`` is invariant to Megatron's row interleaving); ``split_qkv=True`` constrains Q, K, V separately.
 
 State per param (all tensors): ``momentum_buffer`` (fp32, like the param), ``dual_violation`` and
@@ -47,7 +48,10 @@ class ManifoldHyperParams:
     dual_lr: float = 0.1
     tol: float = 1e-6
     msign_steps: int = 10
-    inner_msign_steps: int = 6  # fast mode, inside the dual loop (5 Polar Express steps measured too inexact)
+    # fast mode: amortised dual ascent (manifolds.manifold_muon_fast), a scale-free dual step
+    fast_dual_steps: int = 1
+    fast_dual_lr: float = 0.02
+    fast_msign_steps: int = 8
     msign_dtype: Any = torch.float32  # the reference runs bf16; fp32 default for CPU accuracy
     column_preserving: bool = False  # DGram retraction variant
     radius: float | None = None  # sphere radius (None: keep the current one)
@@ -73,37 +77,44 @@ class ManifoldHyperParams:
             raise ValueError(f"need lr >= 0 and momentum in [0, 1), got lr={self.lr}, momentum={self.momentum}")
         if self.msign_dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"msign_dtype must be fp32 or bf16, got {self.msign_dtype!r}")
-        if self.dual_steps < 1:
-            raise ValueError(f"dual_steps must be >= 1, got {self.dual_steps}")
+        if self.dual_steps < 1 or self.fast_dual_steps < 1:
+            raise ValueError(f"dual_steps and fast_dual_steps must be >= 1, got {self.dual_steps}, "
+                             f"{self.fast_dual_steps}")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Blocks (fused QKV split) and state
 
 
-def qkv_blocks(p: torch.Tensor, hp: ManifoldHyperParams) -> list[tuple[str, torch.Tensor | None]]:
-    """``[(state_suffix, rows)]``: one whole-matrix entry, or the Q, K, V row sets with ``split_qkv``."""
+def qkv_blocks(p: torch.Tensor, hp: ManifoldHyperParams,
+               n_rows: int | None = None) -> list[tuple[str, torch.Tensor | None]]:
+    """``[(state_suffix, rows)]``: one whole-matrix entry, or the Q, K, V row sets with ``split_qkv``
+    (``n_rows``: the full matrix's rows when ``p`` is a tensor-parallel shard)."""
     if not hp.split_qkv:
         return [("", None)]
     split = hp.qkv_split_shapes if hp.qkv_split_shapes is not None else getattr(p, "qkv_split_shapes", None)
     if split is None:
         raise ValueError("split_qkv=True needs qkv_split_shapes (group option or the param's attribute)")
-    return [(f"_{name}", rows) for name, rows in zip(_QKV_NAMES, qkv_row_index(p.shape[0], split, p.device))]
+    rows_total = p.shape[0] if n_rows is None else n_rows
+    return [(f"_{name}", rows) for name, rows in zip(_QKV_NAMES, qkv_row_index(rows_total, split, p.device))]
 
 
 def _block(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
 
 
-def init_state(p: torch.Tensor, state: dict, hp: ManifoldHyperParams) -> None:
-    """Momentum, logging scalars and (fast mode) zero warm-start corrections (= a cold start)."""
+def init_state(p: torch.Tensor, state: dict, hp: ManifoldHyperParams,
+               full_shape: tuple[int, int] | None = None) -> None:
+    """Momentum, logging scalars and (fast mode) zero warm-start corrections (= a cold start), sized for
+    the full matrix (``full_shape`` when ``p`` is a tensor-parallel shard: checkpoints hold full duals)."""
     state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
     state["dual_violation"] = torch.zeros((), dtype=torch.float32)
     state["dual_iters"] = torch.zeros((), dtype=torch.float32)
     if hp.mode == "fast" and hp.manifold != "none":
-        for suffix, rows in qkv_blocks(p, hp):
-            m = p.shape[0] if rows is None else rows.numel()
-            n = min(m, p.shape[1])
+        rows_total, cols = full_shape or tuple(p.shape)
+        for suffix, rows in qkv_blocks(p, hp, rows_total):
+            m = rows_total if rows is None else rows.numel()
+            n = min(m, cols)
             state["dual" + suffix] = torch.zeros(n, n, dtype=torch.float32, device=p.device)
 
 
@@ -170,11 +181,11 @@ def run_jobs(jobs: list[_Job], hp: ManifoldHyperParams) -> None:
     for job in jobs:  # per-step logging restarts (max over the param's blocks)
         job.state["dual_violation"].zero_()
         job.state["dual_iters"].zero_()
-    common = dict(dual_steps=hp.dual_steps, dual_lr=hp.dual_lr, tol=hp.tol, msign_steps=hp.msign_steps,
-                  msign_dtype=hp.msign_dtype, **_geometry_kw(hp))
     if hp.mode == "faithful":
         for job in jobs:
-            new_W, _, info = manifold_muon(job.W, job.U, hp.manifold, hp.lr, return_info=True, **common)
+            new_W, _, info = manifold_muon(job.W, job.U, hp.manifold, hp.lr, hp.dual_steps, hp.dual_lr, hp.tol,
+                                           msign_steps=hp.msign_steps, msign_dtype=hp.msign_dtype,
+                                           return_info=True, **_geometry_kw(hp))
             _write(job, new_W, float(info["rms_violation"]), float(info["iters"]))
         return
     by_shape: dict[tuple, list[_Job]] = {}
@@ -188,8 +199,9 @@ def run_jobs(jobs: list[_Job], hp: ManifoldHyperParams) -> None:
         dual = None
         if all(d is not None and tuple(d.shape) == (n, n) for d in duals):
             dual = torch.stack(duals)  # type: ignore[arg-type]
-        new_W, corr, info = manifold_muon_fast(W, U, hp.manifold, hp.lr, dual,
-                                               inner_msign_steps=hp.inner_msign_steps, **common)
+        new_W, corr, info = manifold_muon_fast(W, U, hp.manifold, hp.lr, dual, hp.fast_dual_steps,
+                                               hp.fast_dual_lr, hp.tol, msign_steps=hp.fast_msign_steps,
+                                               msign_dtype=hp.msign_dtype, **_geometry_kw(hp))
         for i, job in enumerate(group):
             job.state[job.key] = corr[i].to(torch.float32).clone()
             _write(job, new_W[i], float(info["rms_violation"][i]), float(info["iters"][i]))
@@ -234,7 +246,9 @@ class ManifoldMuon(torch.optim.Optimizer):
         tol: float = 1e-6,
         *,
         msign_steps: int = 10,
-        inner_msign_steps: int = 6,
+        fast_dual_steps: int = 1,
+        fast_dual_lr: float = 0.02,
+        fast_msign_steps: int = 8,
         msign_dtype: Any = torch.float32,
         column_preserving: bool = False,
         radius: float | None = None,
@@ -246,7 +260,8 @@ class ManifoldMuon(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, manifold=manifold, mode=mode,
             weight_decay=weight_decay, dual_steps=dual_steps, dual_lr=dual_lr, tol=tol,
-            msign_steps=msign_steps, inner_msign_steps=inner_msign_steps, msign_dtype=msign_dtype,
+            msign_steps=msign_steps, fast_dual_steps=fast_dual_steps, fast_dual_lr=fast_dual_lr,
+            fast_msign_steps=fast_msign_steps, msign_dtype=msign_dtype,
             column_preserving=column_preserving, radius=radius, split_qkv=split_qkv,
             qkv_split_shapes=qkv_split_shapes,
         )

@@ -147,6 +147,21 @@ class DGram(Geometry):
         U, S, Vh = torch.linalg.svd(X.to(work), full_matrices=False)
         return ((U @ Vh) * S.unsqueeze(-2)).to(X.dtype)
 
+    def retract_gram(self, X: torch.Tensor) -> torch.Tensor:
+        """The same retraction from the fp64 eigendecomposition of the ``n x n`` Gram (fast mode): with
+        ``XᵀX = V diag(σ²) Vᵀ``, ``U Vᵀ = X V diag(1/σ) Vᵀ``. Three times cheaper than a tall SVD on CPU
+        and batched-friendly; directions with σ < 1e-6·σ_max (lost to fp64 squaring) are dropped."""
+        if self.column_preserving:
+            return self.retract(X)
+        X64 = X.to(torch.float64)
+        lam, V = torch.linalg.eigh(X64.mT @ X64)  # ascending
+        lam = lam.clamp_min(0.0)
+        sig = lam.sqrt()
+        keep = sig > 1e-6 * sig[..., -1:]
+        inv = torch.where(keep, 1.0 / sig.clamp_min(_FLOOR), torch.zeros_like(sig))
+        polar = X64 @ ((V * inv.unsqueeze(-2)) @ V.mT)
+        return (polar * sig.flip(-1).unsqueeze(-2)).to(X.dtype)  # column j gets the j-th largest σ
+
 
 class Oblique(Geometry):
     """``diag(WᵀW) = 1``: unit-norm columns; retraction = normalise each column."""
@@ -351,6 +366,22 @@ def manifold_muon(
     return (Wn, A, info) if return_info else Wn
 
 
+def near_orthogonal_polar(X: torch.Tensor, steps: int = 3, fallback: MsignFn | None = None,
+                          tol: float = 1e-3) -> torch.Tensor:
+    """Polar factor of a tall ``X`` whose singular values are already near 1 (a Stiefel point plus a small
+    step): cubic Newton–Schulz ``X ← X(3I - XᵀX)/2`` from ``X`` itself converges quadratically there
+    (σ = 1 ± ε → 1 ± 1.5ε²), where a Frobenius-normalised Polar Express needs ~10 steps. Inputs that are
+    not near-orthogonal after ``steps`` (max |XᵀX - I| > ``tol``) are recomputed with ``fallback``."""
+    Y = X
+    eye = _eye_like(Y.mT @ Y)
+    for _ in range(steps):
+        Y = Y @ (1.5 * eye - 0.5 * (Y.mT @ Y))
+    err = (Y.mT @ Y - eye).abs().amax(dim=(-2, -1))
+    if bool((err > tol).any()) or not bool(torch.isfinite(err).all()):
+        return (fallback or polar_express())(X)
+    return Y
+
+
 @torch.no_grad()
 def manifold_muon_fast(
     W: torch.Tensor,
@@ -358,38 +389,65 @@ def manifold_muon_fast(
     manifold: str | Geometry,
     lr: float,
     dual: torch.Tensor | None = None,
-    dual_steps: int = 20,
-    dual_lr: float = 0.1,
+    dual_steps: int = 1,
+    dual_lr: float = 0.02,
     tol: float = 1e-6,
     *,
-    inner_msign_steps: int = 6,
-    msign_steps: int = 10,
+    msign_steps: int = 8,
     msign_dtype: torch.dtype = torch.float32,
     msign_fn: MsignFn | None = None,
     column_preserving: bool = False,
     radius: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Fast Manifold Muon on one matrix or a stack ``[B, m, n]`` of same-shape matrices.
+    """Fast Manifold Muon on one matrix or a stack ``[B, m, n]`` of same-shape matrices: the dual ascent
+    is amortised over optimizer steps instead of restarted at every step.
 
-    Differences to the faithful step: batched (one msign per iteration for the whole stack); Λ₀ is the
-    exact tangent-projection multiplier (``Geometry.tangent_dual``; equal to the reference's on Stiefel,
-    much closer on DGram points with spread column norms); the loop starts from ``Λ₀ + dual`` where
-    ``dual`` is the previous step's correction ``C = Λ_final - Λ₀`` (Λ₀ follows the new gradient exactly,
-    ``C`` carries what the dual loop learnt); the loop's msign runs only ``inner_msign_steps`` Polar
-    Express iterations and one accurate msign (``msign_steps``) recomputes the direction from the final Λ.
+    * Start: ``Λ = Λ₀ + g·C`` with ``Λ₀`` the exact tangent-projection multiplier of the new gradient
+      (``Geometry.tangent_dual``), ``C`` the correction carried from the previous step (``dual``) and
+      ``g = ‖G‖_F/√n`` (C is kept relative to the gradient's scale; a zero gradient gives a zero step).
+    * ``dual_steps`` (default 1) iterations of ``A = msign(X)``, ``X = G + 2WP(Λ)``, ``H = P(WᵀA + AᵀW)``,
+      ``Λ_ij ← Λ_ij - dual_lr·s·H_ij/(d_i² + d_j²)`` with ``s = ‖X‖_F/√n`` and ``d² = diag(WᵀW)``: the
+      step is a diagonal Newton step for the dual (∂H_ij/∂Λ_ij ≈ 2(d_i²+d_j²)/σ), so it does not depend
+      on the gradient's scale or on DGram column norms, unlike the reference's absolute ``dual_lr``
+      (§3.4); the last update is kept as the next step's ``C`` (the returned ``A`` is from the last msign).
+    * msign is Polar Express with ``msign_steps``; the Stiefel retraction is ``near_orthogonal_polar``,
+      the DGram one ``DGram.retract_gram`` (the reference's retraction without a tall SVD).
     Returns ``(W⁺, C, info)``; ``C`` is ``[.., n, n]`` with ``n = min(m, n)``.
     """
-    inner = msign_fn or polar_express(inner_msign_steps, msign_dtype)
-    final = msign_fn or polar_express(msign_steps, msign_dtype)
+    fn = msign_fn or polar_express(msign_steps, msign_dtype)
     geo = get_geometry(manifold, column_preserving, radius)
     Wf, Gf = _work(W, G)
     wide, (Wt, Gt) = _tall(Wf, Gf)
+    P = geo.project_gram
     lam0 = geo.tangent_dual(Wt, Gt)
-    init = None if dual is None else lam0 + dual.to(lam0.dtype)
-    A, info = dual_solve(Wt, Gt, geo, dual_steps, dual_lr, tol, inner, init, final_msign_fn=final)
-    Wn = geo.retract(Wt - lr * A, Wt, final)
-    correction = info["dual"] - lam0
-    info["dual"] = correction
+    # C is stored relative to the gradient's scale: a gradient that shrinks (or vanishes) shrinks it alike
+    gscale = (Gt.norm(dim=(-2, -1), keepdim=True) / math.sqrt(Gt.shape[-1])).clamp_min(_FLOOR)
+    Lam = lam0 if dual is None else lam0 + gscale * dual.to(lam0.dtype)
+    d2 = Wt.square().sum(dim=-2)  # diag(WᵀW) without the n x n Gram
+    denom = (d2.unsqueeze(-1) + d2.unsqueeze(-2)).clamp_min(_FLOOR)
+    active = torch.ones(Wt.shape[:-2], dtype=torch.bool, device=Wt.device)
+    iters = torch.zeros(Wt.shape[:-2], dtype=torch.int64, device=Wt.device)
+    A = H = None
+    for _ in range(dual_steps):
+        X = Gt + 2.0 * Wt @ P(0.5 * (Lam + Lam.mT))
+        A_k = fn(X)
+        H_k = geo.violation(Wt, A_k)
+        mask = active[..., None, None]
+        A = A_k if A is None else torch.where(mask, A_k, A)
+        H = H_k if H is None else torch.where(mask, H_k, H)
+        iters += active
+        scale = X.norm(dim=(-2, -1), keepdim=True) / math.sqrt(X.shape[-1])
+        Lam = Lam - (dual_lr * scale * H_k / denom) * mask.to(H_k.dtype)
+        active = active & (rms(H_k) >= tol)
+        if not bool(active.any()):
+            break
+    if isinstance(geo, DGram):
+        Wn = geo.retract_gram(Wt - lr * A)
+    else:
+        retract_fn = functools.partial(near_orthogonal_polar, fallback=fn) if isinstance(geo, Stiefel) else fn
+        Wn = geo.retract(Wt - lr * A, Wt, retract_fn)
+    correction = (Lam - lam0) / gscale
+    info = {"iters": iters, "rms_violation": rms(H), "dual": correction}
     return (Wn.mT if wide else Wn).to(W.dtype), correction, info
 
 

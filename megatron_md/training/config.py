@@ -136,9 +136,14 @@ class OptimConfig:
         None, "--geometry auto:PRESET: move a layer's attention to Stiefel once its max logit exceeds this."
     )
     manifold_mode: str = opt("fast", "manifold_muon dual solve: faithful (reference) or fast.", ["faithful", "fast"])
-    manifold_dual_steps: int = opt(20, "manifold_muon: dual-ascent iterations K.")
-    manifold_dual_lr: float = opt(0.1, "manifold_muon: dual step alpha (linearly decayed).")
-    manifold_msign_steps: int = opt(10, "manifold_muon: Polar Express steps of msign.")
+    manifold_dual_steps: int = opt(20, "manifold_muon faithful: dual-ascent iterations K per step.")
+    manifold_dual_lr: float = opt(0.1, "manifold_muon faithful: dual step alpha (absolute, linearly decayed).")
+    manifold_msign_steps: int = opt(10, "manifold_muon faithful: Polar Express steps of msign.")
+    manifold_fast_dual_steps: int = opt(1, "manifold_muon fast: dual iterations (msigns) per step; the dual "
+                                        "ascent continues across steps.")
+    manifold_fast_dual_lr: float = opt(0.02, "manifold_muon fast: scale-free dual step (x RMS singular value "
+                                       "/ (d_i^2 + d_j^2)).")
+    manifold_fast_msign_steps: int = opt(8, "manifold_muon fast: Polar Express steps of msign.")
     manifold_split_qkv: bool = opt(False, "manifold_muon: constrain Q, K, V separately (default: fused).")
     md_out_proj_radius: bool = opt(
         False, "MD: out-projections (attention proj, fc2) on a sphere and update scaled by 1/sqrt(2L)."

@@ -106,6 +106,12 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     if o.lr_decay_style == "WSD":
         need(o.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
     need(o.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
+    if o.optimizer == "manifold_muon":
+        for name in ("manifold_dual_steps", "manifold_msign_steps", "manifold_fast_dual_steps",
+                     "manifold_fast_msign_steps"):
+            need(getattr(o, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("manifold_dual_lr", "manifold_fast_dual_lr"):
+            need(getattr(o, name) > 0, f"--{name.replace('_', '-')} must be > 0")
     need(cfg.logging.log_interval >= 1, "--log-interval must be >= 1")
     need(m.seq_length <= m.max_position_embeddings, "--seq-length exceeds --max-position-embeddings")
     if o.optimizer != "adam" and p.use_distributed_optimizer:
