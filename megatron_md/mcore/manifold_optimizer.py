@@ -31,7 +31,7 @@ from megatron_md.optim.policy import (
     make_policy,
     role_of,
 )
-from megatron_md.parallel.manifold import manifold_step_sharded_, project_sharded_
+from megatron_md.parallel.manifold import manifold_steps_sharded_, project_sharded_
 
 MM_STATE_KEYS = ("dual", "dual_q", "dual_k", "dual_v", "dual_violation", "dual_iters")
 
@@ -43,6 +43,9 @@ class ManifoldOptimizerConfig(MDOptimizerConfig):
     manifold_dual_steps: int = 20
     manifold_dual_lr: float = 0.1
     manifold_msign_steps: int = 10
+    manifold_fast_dual_steps: int = 1
+    manifold_fast_dual_lr: float = 0.02
+    manifold_fast_msign_steps: int = 8
     manifold_split_qkv: bool = False
     geometry_auto_sigma_max: float | None = None
     geometry_auto_logit: float | None = None
@@ -59,10 +62,19 @@ class MegatronManifoldMuon(MegatronMD):
         self.mm_defaults = dict(
             manifold="none", mode=config.manifold_mode, dual_steps=config.manifold_dual_steps,
             dual_lr=config.manifold_dual_lr, tol=1e-6, msign_steps=config.manifold_msign_steps,
+            fast_dual_steps=config.manifold_fast_dual_steps, fast_dual_lr=config.manifold_fast_dual_lr,
+            fast_msign_steps=config.manifold_fast_msign_steps,
             split_qkv=config.manifold_split_qkv,
         )
         self.geometry_override: dict[str, str] = {}  # md_key -> geometry (auto policy switches)
         super().__init__(params, config, pg_collection)
+
+    def _init_mm_state(self, p: torch.Tensor, hp: ManifoldHyperParams) -> None:
+        r = self.reducer_for(p)
+        shape = list(p.shape)
+        if r.dim is not None:
+            shape[r.dim] *= r.size
+        init_state(p, self.state[p], hp, tuple(shape))
 
     def switch_geometry(self, matches, geometry: str) -> list[str]:
         """Move manifold-group params for which ``matches(md_key)`` holds to ``geometry``."""
@@ -90,7 +102,7 @@ class MegatronManifoldMuon(MegatronMD):
             for p in group["params"]:
                 r = self.reducer_for(p)
                 project_sharded_(p, hp, r.group, r.dim)
-                init_state(p, self.state[p], hp)
+                self._init_mm_state(p, hp)
 
     @torch.no_grad()
     def reset_from_weights(self) -> None:
@@ -107,7 +119,7 @@ class MegatronManifoldMuon(MegatronMD):
                     r = self.reducer_for(p)
                     project_sharded_(p, hp, r.group, r.dim)
                     self.state[p].clear()
-                    init_state(p, self.state[p], hp)
+                    self._init_mm_state(p, hp)
 
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
         if not _is_manifold_group(group):
@@ -115,7 +127,7 @@ class MegatronManifoldMuon(MegatronMD):
         hp = ManifoldHyperParams.from_group(group)
         for p in group["params"]:
             if not self.state[p]:
-                init_state(p, self.state[p], hp)
+                self._init_mm_state(p, hp)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -129,15 +141,17 @@ class MegatronManifoldMuon(MegatronMD):
             if not _is_manifold_group(group):
                 continue
             hp = ManifoldHyperParams.from_group(group)
+            by_geometry: dict[str, list[tuple]] = {}  # auto-policy overrides split a group
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if not self.state[p]:
-                    init_state(p, self.state[p], hp)
-                override = self.geometry_override.get(getattr(p, "md_key", None) or "")
-                hp_p = hp if override is None else dataclasses.replace(hp, manifold=override)
+                    self._init_mm_state(p, hp)
+                geometry = self.geometry_override.get(getattr(p, "md_key", None) or "", hp.manifold)
                 r = self.reducer_for(p)
-                manifold_step_sharded_(p, p.grad, self.state[p], hp_p, r.group, r.dim)
+                by_geometry.setdefault(geometry, []).append((p, p.grad, self.state[p], r.group, r.dim))
+            for geometry, items in by_geometry.items():
+                manifold_steps_sharded_(items, dataclasses.replace(hp, manifold=geometry))
 
     def state_dict(self):
         sd = super().state_dict()
@@ -255,6 +269,8 @@ def manifold_config_kwargs(o) -> dict:
     return dict(
         geometry=o.geometry, manifold_mode=o.manifold_mode, manifold_dual_steps=o.manifold_dual_steps,
         manifold_dual_lr=o.manifold_dual_lr, manifold_msign_steps=o.manifold_msign_steps,
+        manifold_fast_dual_steps=o.manifold_fast_dual_steps, manifold_fast_dual_lr=o.manifold_fast_dual_lr,
+        manifold_fast_msign_steps=o.manifold_fast_msign_steps,
         manifold_split_qkv=o.manifold_split_qkv, geometry_auto_sigma_max=o.geometry_auto_sigma_max,
         geometry_auto_logit=o.geometry_auto_logit,
     )

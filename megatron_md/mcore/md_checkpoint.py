@@ -162,14 +162,31 @@ def reset_md_from_weights(optimizer) -> None:
 
     Used by ``--pretrained-checkpoint`` and ``--no-load-optim``, where no MD state comes along.
     """
-    for o, inner in md_wrappers(optimizer):
+    for _, inner in md_wrappers(optimizer):
         inner.reset_from_weights()
+    sync_model_params(optimizer)
+
+
+def sync_model_params(optimizer) -> None:
+    """Push the optimizers' (projected) main params into the model params the forward uses.
+
+    Needed whenever MD / Manifold Muon project weights outside a step (construction, weights-only loads):
+    bf16 runs keep separate fp32 main params, and under the layer-wise distributed optimizer each DP rank
+    projects only the matrices it owns, so the others must be broadcast (found by a layout test).
+    """
+    for o, _ in md_wrappers(optimizer):
         if hasattr(o, "_copy_main_params_to_model_params"):
             o._copy_main_params_to_model_params()
+    stack = [optimizer]
+    while stack:
+        o = stack.pop()
+        if getattr(o, "dp_cp_params_list", None) is not None and hasattr(o, "broadcast_params"):
+            o.broadcast_params()
+        stack += _children(o)
 
 
 def has_md(optimizer) -> bool:
     return bool(md_optimizers(optimizer))
 
 
-__all__ = ["tag_md_params", "md_sharded_state", "load_md_state", "md_optimizers", "has_md", "reset_md_from_weights", "GAIN_KEYS"]
+__all__ = ["sync_model_params", "tag_md_params", "md_sharded_state", "load_md_state", "md_optimizers", "has_md", "reset_md_from_weights", "GAIN_KEYS"]

@@ -270,6 +270,9 @@ class Trainer:
         self.vocab = vocab_size_for(cfg, self.tokenizer)
         self.model, self.tconfig = build_wrapped_model(cfg, self.vocab, self.cpu)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
+        if cfg.optimizer.optimizer in ("muon_md", "adam_md", "manifold_muon"):
+            from megatron_md.mcore.md_checkpoint import sync_model_params
+            sync_model_params(self.optimizer)  # step 0's forward sees the projected weights
         self.gbs = global_batch_size(cfg)
         cfg.training.global_batch_size = self.gbs  # saved with checkpoints: score --validation needs it
         self.dp_size = ps.get_data_parallel_world_size()
