@@ -331,7 +331,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help_text = f.metadata.get("help", "")
             if default not in (None, dataclasses.MISSING):
                 help_text += f" [default: {default}]"
-            if base is bool:
+            if base is bool and f.name.startswith("no_"):
+                # BooleanOptionalAction reads any "--no-..." spelling as False, so --no-load-optim would
+                # turn the option off; these negative-named switches are plain store_true flags.
+                group.add_argument(flag(f.name), dest=f.name, action="store_true", default=argparse.SUPPRESS,
+                                   help=help_text)
+            elif base is bool:
                 group.add_argument(
                     flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                     default=argparse.SUPPRESS, help=help_text,

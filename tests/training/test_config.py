@@ -63,3 +63,12 @@ def test_type_and_choice_errors_name_the_flag(tmp_path):
 def test_hidden_size_must_fit_kv_channels():
     with pytest.raises(ValueError, match="--hidden-size 100 is not a multiple of --kv-channels 16"):
         resolve("tiny-dense", None, {"hidden_size": 100})
+
+
+def test_negative_named_switches_turn_on():
+    """--no-load-optim / --no-load-rng are switches that turn their option ON (argparse's
+    BooleanOptionalAction would read any "--no-..." as False)."""
+    path, cli = _parse(["--no-load-optim", "--no-load-rng"])
+    cfg = resolve("tiny-dense", path, cli)
+    assert cfg.checkpoint.no_load_optim is True and cfg.checkpoint.no_load_rng is True
+    assert resolve("tiny-dense", *_parse([])).checkpoint.no_load_optim is False
