@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron_md.training.preemption import maybe_delay_save
 
 LATEST = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
@@ -126,6 +127,7 @@ def save_checkpoint(
         extra=extra or {},
     )
     dist_checkpointing.save(state, str(partial))
+    maybe_delay_save(iteration)
     dist.barrier()
     if rank == 0:
         (partial / RUN_CONFIG).write_text(run_config_yaml)

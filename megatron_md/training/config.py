@@ -167,6 +167,8 @@ class TrainingConfig:
     inject_nan_iters: int = opt(1, "Testing aid: for this many iterations.")
     nproc_per_node: int = opt(1, "Processes to launch on this node (torch elastic) when >1.")
     exit_interval: Optional[int] = opt(None, "Stop cleanly (with a save) after this iteration.")
+    exit_signal_handler: bool = opt(
+        True, "On SIGTERM or SIGUSR1 every rank finishes the step, saves (--save) and exits 0 (preemption).")
 
 
 @dataclass

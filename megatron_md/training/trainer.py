@@ -7,7 +7,6 @@ it can touch the weights), ``optimizer.step()`` (global-norm clipping inside), L
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import random
@@ -30,9 +29,11 @@ from megatron.core.transformer.module import Float16Module
 from megatron_md.models.builder import build_model, padded_vocab_size
 from megatron_md.models.presets import count_parameters, human
 from megatron_md.training import checkpointing as ckpt
+from megatron_md.training.preemption import PreemptionWatch, mark_preempted, signal_name
 from megatron_md.training.batches import micro_batches
 from megatron_md.training.config import RunConfig
 from megatron_md.training.run_logging import RunLogger
+from megatron_md.training.step import all_finite, make_forward_step, reduce_loss
 from megatron_md.training.validate import ConfigError, data_parallel_size, validate_config
 
 
@@ -209,56 +210,6 @@ def is_logging_rank() -> bool:
     )
 
 
-# ----------------------------------------------------------------------------- step pieces
-
-def loss_func(loss_mask: torch.Tensor, nan_now: bool, output_tensor: torch.Tensor):
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss_sum = torch.sum(losses * mask)
-    if nan_now:
-        loss_sum = loss_sum * float("nan")
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
-    return loss_sum, num_tokens, {"lm loss": report}
-
-
-def make_forward_step(nan_now: bool):
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return out, functools.partial(loss_func, batch["loss_mask"], nan_now)
-
-    return forward_step
-
-
-def reduce_loss(losses: list[dict]) -> float | None:
-    """Token-weighted mean loss over micro-batches and data-parallel ranks (last stage only)."""
-    if not ps.is_pipeline_last_stage():
-        return None
-    total = torch.zeros(2, dtype=torch.float64)
-    for d in losses:
-        total += d["lm loss"].detach().double().cpu()
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        total = total.cuda()
-    dist.all_reduce(total, group=ps.get_data_parallel_group())
-    return (total[0] / total[1].clamp(min=1)).item()
-
-
-def all_finite(model, loss: float | None) -> bool:
-    """Every rank agrees whether this step's loss and gradients are finite."""
-    bad = 0.0 if loss is None or math.isfinite(loss) else 1.0
-    if not bad:
-        for p in model.parameters():
-            g = getattr(p, "main_grad", None)
-            g = g if g is not None else p.grad
-            if g is not None and not torch.isfinite(g).all():
-                bad = 1.0
-                break
-    flag = torch.tensor([bad], device=next(model.parameters()).device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0.0
-
-
 # ----------------------------------------------------------------------------- the run
 
 class Trainer:
@@ -295,6 +246,8 @@ class Trainer:
         from megatron_md.training.diagnostics import AttentionProbe
 
         self.probe = AttentionProbe(ckpt.unwrap(self.model)) if cfg.logging.diagnostics_interval else None
+        self.preemption = PreemptionWatch(cfg.training.exit_signal_handler)
+        self.preempted_by: str | None = None
 
     # -- setup
 
@@ -487,15 +440,30 @@ class Trainer:
                     self._eval_and_log()
                 if cfg.checkpoint.save and cfg.checkpoint.save_interval and s.iteration % cfg.checkpoint.save_interval == 0:
                     self.save()
+                signum = self.preemption.poll()
+                if signum:
+                    self.preempted_by = signal_name(signum)
+                    log.print(f"received {self.preempted_by} at iteration {s.iteration}: saving and exiting")
+                    break
                 if t.exit_interval and s.iteration % t.exit_interval == 0:
                     break
-            # train_iters 0 makes a seed checkpoint: the initial weights, saved, no evaluation.
-            self.final_eval_loss = self._eval_and_log() if t.train_iters > 0 else None
+            # train_iters 0 makes a seed checkpoint: the initial weights, saved, no evaluation. A preempted
+            # run skips the final evaluation: the grace time before the kill is for the checkpoint.
+            run_eval = t.train_iters > 0 and not self.preempted_by
+            self.final_eval_loss = self._eval_and_log() if run_eval else None
             if cfg.checkpoint.save and not (
                 cfg.checkpoint.save_interval and s.iteration % cfg.checkpoint.save_interval == 0
             ):
                 self.save()
+            if self.preempted_by:
+                save = cfg.checkpoint.save
+                msg = f"preempted by {self.preempted_by}: " + (
+                    f"checkpoint of iteration {s.iteration} in {save}; relaunch with --load {save} to resume"
+                    if save else "nothing saved (no --save)") + "; exiting 0"
+                log.print(msg)
+                mark_preempted(msg)
         finally:
+            self.preemption.restore()
             log.close()
         return s
 
