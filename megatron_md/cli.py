@@ -1,15 +1,19 @@
-"""``megatron-md`` command line: train, params, score, demo."""
+"""``megatron-md`` command line: train, params, score, generate, demo."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import socket
+import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from megatron_md.training import config as C
+from megatron_md.training.preemption import PREEMPT_MARKER_ENV
 
 
 def _free_port() -> int:
@@ -23,15 +27,41 @@ def under_launcher() -> bool:
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:
-    """Re-run this command under torch's elastic launcher with ``nproc`` local processes."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "megatron_md.cli", *argv,
-    ]
+    """Re-run this command under torch's elastic launcher with ``nproc`` local processes.
+
+    SIGTERM/SIGUSR1/SIGINT sent to this process go to the launcher, which forwards them to the workers
+    (SIGUSR1 too, where this torch's launcher can: ``--signals-to-handle``); the workers then save and exit.
+    """
+    from torch.distributed.run import get_args_parser
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    if "--signals-to-handle" in get_args_parser()._option_string_actions:
+        cmd += ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "600"]
+    cmd += ["-m", "megatron_md.cli", *argv]
+    marker = Path(tempfile.mkdtemp(prefix="megatron-md-")) / "preempted"
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(cmd, env=env)
+    env[PREEMPT_MARKER_ENV] = str(marker)
+    child = subprocess.Popen(cmd, env=env)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        rc = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # torch's launcher exits non-zero after forwarding a signal even when every worker saved and exited
+    # 0; the workers' marker says whether they did.
+    if received and marker.exists():
+        print(f"megatron-md train: {marker.read_text().strip()}", file=sys.stderr)
+        rc = 0
+    shutil.rmtree(marker.parent, ignore_errors=True)
+    return rc
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -166,6 +196,29 @@ def cmd_score(argv: list[str]) -> int:
         return 2
 
 
+def cmd_generate(argv: list[str]) -> int:
+    quiet_megatron()
+    p = argparse.ArgumentParser(prog="megatron-md generate", description="Continue a prompt under a checkpoint.")
+    p.add_argument("--load", required=True, help="Checkpoint directory (with latest_checkpointed_iteration.txt).")
+    p.add_argument("--prompt", required=True, help="Text to continue.")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample.")
+    p.add_argument("--top-k", type=int, default=0, help="Sample among the k most likely tokens (0: all).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1: off).")
+    p.add_argument("--seed", type=int, default=1234, help="Sampling seed.")
+    p.add_argument("--ignore-eos", action="store_true", help="Keep going past the end-of-document token.")
+    p.add_argument("--ids", action="store_true", help="Print the new token ids instead of text.")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    a = p.parse_args(argv)
+    from megatron_md.training.generate import generate_main
+
+    try:
+        return generate_main(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-md generate: error: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megatron-md demo", description="Train tiny-moe with EP=2 on 2 CPU ranks.")
     p.add_argument("--work-dir", default="runs/demo", help="Where data, checkpoint and run go.")
@@ -206,13 +259,14 @@ def cmd_demo(argv: list[str]) -> int:
     return rc
 
 
-COMMANDS = {"train": cmd_train, "params": cmd_params, "score": cmd_score, "demo": cmd_demo}
+COMMANDS = {"train": cmd_train, "params": cmd_params, "score": cmd_score, "generate": cmd_generate,
+            "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: megatron-md {train,params,score,demo} [options]   (megatron-md CMD --help)")
+        print("usage: megatron-md {train,params,score,generate,demo} [options]   (megatron-md CMD --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 
