@@ -259,14 +259,20 @@ def cmd_demo(argv: list[str]) -> int:
     return rc
 
 
+def cmd_lr_sweep(argv: list[str]) -> int:
+    from megatron_md.sweep import main as sweep_main
+
+    return sweep_main(argv)
+
+
 COMMANDS = {"train": cmd_train, "params": cmd_params, "score": cmd_score, "generate": cmd_generate,
-            "demo": cmd_demo}
+            "demo": cmd_demo, "lr-sweep": cmd_lr_sweep}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: megatron-md {train,params,score,generate,demo} [options]   (megatron-md CMD --help)")
+        print("usage: megatron-md {train,params,score,generate,lr-sweep,demo} [options]   (megatron-md CMD --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -1,0 +1,186 @@
+"""`megatron-md lr-sweep` (and ``tools/lr_sweep.py``): argument parsing and the three modes
+(run the grid, --dry-run / --slurm-grid, --coord-check)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from megatron_md.sweep import grid as G
+
+PROG = "megatron-md lr-sweep"
+
+EPILOG = f"""
+LR ladder: lr_k = 1e-3 * 2^(k/2). Swept flag: adamw, muon -> --lr; muon_md, adam_md, manifold_muon ->
+--matrix-lr, their other LRs fixed (muon_md, adam_md: --lr 1e-3 --embedding-lr 3e-3; manifold_muon:
+--lr 6e-4; a value the base config sets wins).
+Default centres k: {', '.join(f'{n} {r.k_center}' for n, r in G.RECIPES.items())}.
+Recipes: adamw, muon warm up 10% of the steps with weight decay 0.1; muon_md, adam_md neither;
+manifold_muon 2% and 0.1.
+Flags after '--' go to every cell's `megatron-md train` (e.g. -- --mock-data --seq-length 128).
+Outputs: OUT/cells/<cell>/ (run dir + result.json), OUT/results.csv, OUT/optima.csv, OUT/lr_transfer.png;
+--coord-check: OUT/coord_check.csv and .png.
+
+  {PROG} --model tiny-dense --out runs/lrt --widths 64,128 --lrs 3 --steps 20 --optimizers adamw,muon_md -- --mock-data
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Zero-shot LR-transfer sweep over widths.", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    base = p.add_mutually_exclusive_group()
+    base.add_argument("--config", help="Base YAML of every cell (`train --config`).")
+    base.add_argument("--model", help="Base preset of every cell (`train --model`) [default: tiny-dense when "
+                      "there is no --config].")
+    p.add_argument("--out", default="runs/lr-sweep", help="Sweep directory; rerun with the same one to resume "
+                   "[default: runs/lr-sweep].")
+    p.add_argument("--widths", required=True, help="Comma-separated --hidden-size values (heads = width / "
+                   "--kv-channels, FFN = ratio x width).")
+    p.add_argument("--optimizers", default="adamw,muon,muon_md", help="Comma-separated: " + ", ".join(G.RECIPES)
+                   + " (adam = adamw). [default: adamw,muon,muon_md]")
+    p.add_argument("--lrs", default="5", help="N (N ladder points around each optimizer's centre; even N: one "
+                   "more above) or comma-separated LRs. [default: 5]")
+    p.add_argument("--k-center", action="append", default=[], metavar="OPT=K",
+                   help="Centre k of --lrs N for an optimizer (repeatable or comma-separated).")
+    p.add_argument("--k-range", action="append", default=[], metavar="OPT=LO:HI",
+                   help="Ladder points LO..HI for an optimizer (wins over --lrs).")
+    p.add_argument("--seeds", default="1", help="Comma-separated seeds. [default: 1]")
+    p.add_argument("--steps", type=int, help="--train-iters of every cell [default: the base config's; "
+                   "--coord-check: 5].")
+    p.add_argument("--warmups", help="Comma-separated --lr-warmup-iters values, iterations or percent of the "
+                   "steps (10%%) [default: the optimizer's recipe].")
+    p.add_argument("--weight-decays", help="Comma-separated --weight-decay values [default: the recipe's].")
+    p.add_argument("--log-interval", type=int, help="Cells' --log-interval [default: steps/50, at least 1].")
+    p.add_argument("--max-cells", type=int, help="Stop after running this many new cells (rerun to continue).")
+    p.add_argument("--retry-failed", action="store_true", help="Rerun cells that failed (not diverged ones).")
+    p.add_argument("--dry-run", action="store_true", help="Print every cell's command; run nothing.")
+    p.add_argument("--slurm-grid", metavar="FILE", help="Write the grid as slurm/lr_sweep.sbatch's TSV and print "
+                   "the sbatch command; run nothing.")
+    p.add_argument("--no-plot", action="store_true", help="Skip OUT/lr_transfer.png.")
+    p.add_argument("--coord-check", action="store_true", help="Coordinate check at each optimizer's centre LR "
+                   "(in-process) instead of the sweep.")
+    return p
+
+
+def build_spec(a, extra: list[str]) -> G.SweepSpec:
+    base = ["--config", a.config] if a.config else ["--model", a.model or "tiny-dense"]
+    optimizers = G.parse_optimizers(a.optimizers)
+    G.check_extra(extra, optimizers)
+    for name, value in (("--steps", a.steps), ("--log-interval", a.log_interval)):
+        if value is not None and value < 1:
+            raise G.GridError(f"{name} must be >= 1, got {value}")
+    if a.max_cells is not None and a.max_cells < 0:
+        raise G.GridError(f"--max-cells must be >= 0, got {a.max_cells}")
+    from megatron_md.sweep import runner
+
+    explicit = runner.base_explicit(base)
+    steps = a.steps
+    if steps is None:
+        if a.coord_check:
+            steps = 5
+        else:
+            from megatron_md.training import config as C
+
+            try:
+                steps = C.resolve(None if a.config else base[1], a.config, {}).training.train_iters
+            except ValueError as e:
+                raise G.GridError(str(e)) from None
+    spec = G.SweepSpec(
+        base=base, widths=G.parse_widths(a.widths), optimizers=optimizers, lrs=G.parse_lrs(a.lrs),
+        seeds=G.parse_seeds(a.seeds), steps=steps, k_centers=G.parse_k_centers(a.k_center),
+        k_ranges=G.parse_k_ranges(a.k_range), warmups=G.parse_warmups(a.warmups),
+        weight_decays=G.parse_weight_decays(a.weight_decays), log_interval=a.log_interval, extra=extra,
+        base_explicit=explicit,
+    )
+    data = runner.resolve_cell(spec, spec.cells()[0], validate=False).data
+    if not data.mock_data and not data.data_path:
+        # The cells could not start without data; random tokens at least exercise the whole chain.
+        spec.extra = ["--mock-data", *spec.extra]
+        spec.notes.append("no --data-path in the base config or after '--': the cells train on --mock-data "
+                          "(random tokens: the losses say little about the optimal LR)")
+    unused = set(spec.k_centers) | set(spec.k_ranges)
+    unused -= set(optimizers)
+    if unused:
+        raise G.GridError(f"--k-center/--k-range for {', '.join(sorted(unused))}, which is not in --optimizers")
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    a = parser().parse_args(argv)
+    out = Path(a.out)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    try:
+        spec = build_spec(a, extra)
+        for note in spec.notes:
+            print(f"[lr-sweep] note: {note}", file=sys.stderr, flush=True)
+        if a.coord_check:
+            from megatron_md.cli import quiet_megatron
+            from megatron_md.sweep.coord_check import run_coord_check
+
+            quiet_megatron()
+            run_coord_check(spec, out, spec.steps, log)
+            return 0
+        from megatron_md.sweep import runner
+
+        if a.dry_run:
+            runner.dry_run(spec, out, log)
+            return 0
+        if a.slurm_grid:
+            runner.write_slurm_grid(spec, Path(a.slurm_grid), log)
+            return 0
+        return _sweep(spec, a, out, log)
+    except (G.GridError, ValueError, FileNotFoundError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
+    from megatron_md.sweep import results, runner
+
+    cells = spec.cells()
+    cfg0 = runner.resolve_cell(spec, cells[0])
+    for w in runner.width_warnings(spec.base, spec.base_explicit):
+        log(f"[lr-sweep] warning: {w}")
+    m = cfg0.model
+    log(f"[lr-sweep] {len(cells)} cells: widths {spec.widths} x optimizers {spec.optimizers} x seeds {spec.seeds}, "
+        f"{spec.steps} steps; head dim {m.kv_channels} fixed (heads = width / {m.kv_channels}), "
+        f"FFN = {m.ffn_ratio:g} x width")
+    for opt in spec.optimizers:
+        lrs = sorted({c.lr for c in cells if c.optimizer == opt})
+        r = G.RECIPES[opt]
+        log(f"[lr-sweep] {opt}: {G.flag(r.lr_field)} in " + ", ".join(f"{x:.3g}" for x in lrs))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({
+        "argv": sys.argv, "base": spec.base, "widths": spec.widths, "optimizers": spec.optimizers,
+        "seeds": spec.seeds, "steps": spec.steps, "extra": spec.extra, "cells": [c.name for c in cells],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }, indent=2))
+    rc = 0
+    try:
+        counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
+                                  on_result=lambda: results.write_all(out), log=log)
+        if counts["failed"]:
+            log(f"[lr-sweep] {counts['failed']} cells failed (recorded as diverged; --retry-failed reruns them)")
+            rc = 1
+    except (runner.SweepInterrupted, KeyboardInterrupt) as e:
+        log(f"[lr-sweep] interrupted ({e or 'Ctrl-C'}): finished cells are kept; rerun the same command to resume")
+        rc = 130
+    res, opt, rows = results.write_all(out, log)
+    log(f"[lr-sweep] wrote {res} ({len(rows)} cells) and {opt}")
+    if rows and not a.no_plot:
+        from megatron_md.sweep.plot import plot_lr_transfer
+
+        png = plot_lr_transfer(res, out / "lr_transfer.png")
+        log(f"[lr-sweep] wrote {png}")
+    return rc

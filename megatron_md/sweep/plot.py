@@ -1,0 +1,109 @@
+"""The LR-transfer figure: one panel per optimizer, final loss vs LR (log2 axis), one curve per width
+(mean over seeds, min-max band), each width's optimum starred. Flat optima across widths = transfer.
+
+    python tools/plot_lr_transfer.py OUT/results.csv --out OUT/lr_transfer.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_md.sweep.results import curves, read_csv
+
+    rows = read_csv(results_csv)
+    if not rows:
+        raise ValueError(f"{results_csv}: no finished cells to plot")
+    by_opt = defaultdict(dict)
+    for key, value in curves(rows).items():
+        by_opt[key[0]][key[1:]] = value
+    opts = sorted(by_opt)
+    widths = sorted({k[0] for d in by_opt.values() for k in d})
+    cmap = plt.get_cmap("viridis")
+    colour = {w: cmap(i / max(1, len(widths) - 1) * 0.9) for i, w in enumerate(widths)}
+    fig, axes = plt.subplots(1, len(opts), figsize=(5.2 * len(opts), 4.2), squeeze=False)
+    for ax, opt in zip(axes[0], opts):
+        groups = by_opt[opt]
+        variants = sorted({k[1:] for k in groups})  # (warmup, wd) pairs: a line style each
+        styles = ["-", "--", ":", "-."]
+        finite_y = []
+        kinds = set()
+        for (width, wu, wd), (kind, pts) in sorted(groups.items()):
+            kinds.add(kind)
+            good = [p for p in pts if math.isfinite(p[1])]
+            label = f"w{width}" + (f" wu{wu} wd{wd:g}" if len(variants) > 1 else "")
+            style = styles[variants.index((wu, wd)) % len(styles)]
+            if good:
+                x = [p[0] for p in good]
+                y = [p[1] for p in good]
+                finite_y += y
+                ax.plot(x, y, style, marker="o", ms=3.5, color=colour[width], label=label)
+                if any(p[4] > 1 for p in good):
+                    ax.fill_between(x, [p[2] for p in good], [p[3] for p in good], color=colour[width], alpha=0.18)
+                best = min(good, key=lambda p: p[1])
+                ax.plot([best[0]], [best[1]], marker="*", ms=14, color=colour[width], mec="black", mew=0.7,
+                        linestyle="none")
+            bad = [p[0] for p in pts if not math.isfinite(p[1])]
+            if bad:  # diverged LRs: crosses along the top
+                ax.plot(bad, [1.0] * len(bad), "x", color=colour[width], transform=ax.get_xaxis_transform(),
+                        clip_on=False, label=None if good else label + " (diverged)")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({p[0] for _, pts in groups.values() for p in pts})
+        if len(ticks) <= 12:  # label the grid's own LRs (and their k) rather than powers of 2
+            from megatron_md.sweep.grid import k_label
+
+            ax.set_xticks(ticks, [f"{x:.2g}" + (f"\nk{k_label(x)}" if k_label(x) is not None else "") for x in ticks],
+                          fontsize=8)
+            ax.minorticks_off()
+        ax.set_xlabel("swept learning rate (log2 axis)")
+        ax.set_ylabel("final " + ("eval" if kinds == {"eval"} else "train" if kinds == {"train"} else "eval/train")
+                      + " loss")
+        ax.set_title(opt)
+        ax.grid(True, which="both", alpha=0.3)
+        if finite_y:  # keep the basin readable when the high-LR end blows up
+            lo, hi = min(finite_y), max(finite_y)
+            s = sorted(finite_y)
+            q = s[int(0.75 * (len(s) - 1))]
+            top = min(hi, q + 2.0 * max(q - lo, 1e-3))
+            ax.set_ylim(lo - 0.05 * max(top - lo, 1e-3), top + 0.05 * max(top - lo, 1e-3))
+        ax.legend(fontsize=8)
+    fig.suptitle("LR transfer across width (* = optimum per width; x = diverged)")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    beside = out_png.with_suffix(".csv")
+    if Path(results_csv).resolve() != beside.resolve():
+        shutil.copyfile(results_csv, beside)
+    return out_png
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="plot_lr_transfer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path, help="results.csv of `megatron-md lr-sweep`")
+    ap.add_argument("--out", type=Path, default=None, help="PNG (default: lr_transfer.png beside the CSV)")
+    a = ap.parse_args(argv)
+    if not a.results.is_file():
+        print(f"plot_lr_transfer: error: {a.results} not found", file=sys.stderr)
+        return 2
+    out = a.out or a.results.with_name("lr_transfer.png")
+    try:
+        plot_lr_transfer(a.results, out)
+    except ValueError as e:
+        print(f"plot_lr_transfer: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} and {out.with_suffix('.csv')}")
+    return 0

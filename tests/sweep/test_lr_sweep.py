@@ -1,0 +1,286 @@
+"""`megatron-md lr-sweep`: the grid (sqrt(2) ladder, centres, LR flag per optimizer, recipes), bad input,
+a tiny sweep end to end with an interruption and a resume, a diverged cell, the coordinate check,
+and the SLURM grid accepted by slurm/lr_sweep.sbatch."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mdtest import REPO, run_cli
+
+from megatron_md.sweep import command, grid as G, results as R, runner
+
+# Tiny cells: ~4 s each on 2 cores, nearly all of it process start-up.
+TINY = ["--mock-data", "--device", "cpu", "--seq-length", "16", "--micro-batch-size", "2", "--vocab-size", "512",
+        "--eval-iters", "1", "--diagnostics-interval", "0"]
+
+
+def spec(optimizers=("adamw", "muon", "muon_md"), steps=20, **kw) -> G.SweepSpec:
+    kw.setdefault("base", ["--model", "tiny-dense"])
+    return G.SweepSpec(widths=kw.pop("widths", [32]), optimizers=list(optimizers), lrs=kw.pop("lrs", 1),
+                       seeds=kw.pop("seeds", [1]), steps=steps, extra=kw.pop("extra", list(TINY)), **kw)
+
+
+def rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ----------------------------------------------------------------------------- grid
+
+
+def test_sqrt2_ladder_and_centring():
+    assert G.lr_of_k(0) == pytest.approx(1e-3)
+    assert [round(G.lr_of_k(k), 5) for k in range(3, 9)] == [0.00283, 0.004, 0.00566, 0.008, 0.01131, 0.016]
+    assert G.k_label(G.lr_of_k(-3)) == -3 and G.k_label(0.0123) is None
+    ks = lambda opt, n, centers={}, ranges={}: [G.k_label(x) for x in G.lr_grid(opt, n, centers, ranges)]  # noqa: E731
+    c = G.RECIPES["muon_md"].k_center
+    assert ks("muon_md", 3) == [c - 1, c, c + 1]
+    assert ks("muon_md", 1) == [c] and ks("muon_md", 2) == [c, c + 1] and ks("muon_md", 4) == [c - 1, c, c + 1, c + 2]
+    assert ks("adamw", 3, {"adamw": 0}) == [-1, 0, 1]
+    assert ks("adamw", 3, {}, {"adamw": (2, 4)}) == [2, 3, 4]  # --k-range wins over --lrs
+    assert G.lr_grid("muon", [0.01, 0.02], {}, {}) == [0.01, 0.02]
+    # the measured centres: adamw in 3e-3..1e-2, megatron muon ~0.02, muon_md 0.05..0.1
+    assert 3e-3 <= G.lr_of_k(G.RECIPES["adamw"].k_center) <= 1e-2
+    assert 0.014 <= G.lr_of_k(G.RECIPES["muon"].k_center) <= 0.03
+    assert 0.05 <= G.lr_of_k(G.RECIPES["muon_md"].k_center) <= 0.1
+    assert G.parse_lrs("3") == 3 and G.parse_lrs("0.02,1e-2") == [0.01, 0.02]
+    assert G.parse_k_centers(["muon_md=10,adam=3"]) == {"muon_md": 10, "adamw": 3}
+    assert G.parse_k_ranges(["muon=-2:4"]) == {"muon": (-2, 4)}
+    assert G.parse_warmups("0,10%") == [("iters", 0), ("frac", 0.1)]
+
+
+def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
+    s = spec(optimizers=list(G.RECIPES), steps=20, widths=[32, 128])
+    cells = s.cells()
+    seen = {}
+    for cell in cells:
+        cfg = runner.resolve_cell(s, cell)
+        o, m = cfg.optimizer, cfg.model
+        seen[(cell.optimizer, cell.width)] = cfg
+        assert o.optimizer == G.RECIPES[cell.optimizer].optimizer
+        assert (m.hidden_size, m.kv_channels, m.num_attention_heads) == (cell.width, 16, cell.width // 16)
+        assert m.ffn_hidden_size == 4 * cell.width
+        assert cfg.training.train_iters == 20 and cfg.training.seed == 1
+        if cell.optimizer in ("adamw", "muon"):
+            # megatron-core's Muon takes its matrices' LR from --lr (config.lr -> every param group)
+            assert o.lr == cell.lr and o.matrix_lr is None
+            assert (o.lr_warmup_iters, o.weight_decay) == (2, 0.1)
+        else:
+            assert o.matrix_lr == cell.lr
+        if cell.optimizer in ("muon_md", "adam_md"):
+            assert (o.lr, o.embedding_lr, o.lr_warmup_iters, o.weight_decay) == (1e-3, 3e-3, 0, 0.0)
+    assert runner.param_count(seen[("adamw", 128)]) > runner.param_count(seen[("adamw", 32)])
+    # a base config that sets --lr keeps it; --warmups / --weight-decays override the recipes
+    base = tmp_path / "base.yaml"
+    base.write_text("preset: tiny-dense\noptimizer:\n  lr: 0.002\n")
+    s = spec(optimizers=["muon_md", "adamw"], base=["--config", str(base)], warmups=[("frac", 0.25), ("iters", 1)],
+             weight_decays=[0.0, 0.05], base_explicit=runner.base_explicit(["--config", str(base)]))
+    cells = s.cells()
+    assert len(cells) == 2 * 2 * 2 and {c.warmup for c in cells} == {5, 1}
+    md = runner.resolve_cell(s, next(c for c in cells if c.optimizer == "muon_md"))
+    assert md.optimizer.lr == 0.002 and md.optimizer.embedding_lr == 3e-3
+    assert len({c.name for c in cells}) == len(cells)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--optimizers", "adamw,sgd"], "--optimizers: unknown optimizer 'sgd'"),
+    (["--widths", ","], "--widths: empty list"),
+    (["--widths", "32,-64"], "--widths: -64"),
+    (["--widths", "40"], "--widths 40"),  # not a multiple of the head dim (16)
+    (["--lrs", "fast"], "--lrs"),
+    (["--lrs", "0"], "--lrs"),
+    (["--lrs", "0.1,-1"], "--lrs"),
+    (["--k-center", "muon_md"], "--k-center"),
+    (["--k-range", "muon_md=5:2"], "--k-range"),
+    (["--k-center", "muon=3"], "not in --optimizers"),
+    (["--warmups", "x"], "--warmups"),
+    (["--steps", "0"], "--steps"),
+    (["--", "--hidden-size", "64"], "use lr-sweep --widths"),
+    (["--", "--matrix-lr", "0.1"], "carries the swept LR of muon_md"),
+])
+def test_bad_input_names_the_flag(tmp_path, capsys, args, message):
+    base = ["--model", "tiny-dense", "--out", str(tmp_path / "o"), "--widths", "32", "--optimizers", "adamw,muon_md",
+            "--dry-run"]
+    extra = args[args.index("--"):] if "--" in args else []
+    own = args[:args.index("--")] if "--" in args else args
+    assert command.main(base + own + extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_defaults_and_dry_run(tmp_path, capsys):
+    # no base, no data: tiny-dense on mock data (said on stderr), so the bare command runs anywhere
+    assert command.main(["--out", str(tmp_path / "d"), "--widths", "32", "--lrs", "1", "--optimizers", "adamw",
+                         "--dry-run"]) == 0
+    cap = capsys.readouterr()
+    (line,) = cap.out.splitlines()
+    assert line.startswith("megatron-md train --model tiny-dense") and "--mock-data" in line
+    assert "--mock-data" in cap.err
+    out = tmp_path / "o"
+    argv = ["--model", "tiny-dense", "--out", str(out), "--widths", "32,64", "--lrs", "0.01,0.02",
+            "--optimizers", "muon,muon_md", "--seeds", "1,2", "--steps", "4", "--dry-run", "--", *TINY]
+    assert command.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 * 2 * 2 * 2 and all(line.startswith("megatron-md train --model tiny-dense") for line in lines)
+    cmd = shlex.split(lines[-1])
+    assert cmd[cmd.index("--matrix-lr") + 1] == "0.02" and cmd[cmd.index("--run-dir") + 1].startswith(str(out))
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def _fake(out: Path, opt, width, lr, seed, train, ev, diverged=False):
+    d = out / "cells" / f"{opt}-{width}-{lr}-{seed}"
+    d.mkdir(parents=True)
+    (d / "result.json").write_text(json.dumps({
+        "cell": d.name, "optimizer": opt, "width": width, "params": width * 10, "lr": lr, "k": G.k_label(lr),
+        "seed": seed, "warmup": 0, "weight_decay": 0.0, "steps": 10, "final_train_loss": train,
+        "final_eval_loss": ev, "diverged": diverged, "status": "diverged" if diverged else "ok", "wall_s": 1.0}))
+
+
+def test_optima_inside_grid_seed_mean_and_divergence(tmp_path):
+    lrs = [G.lr_of_k(k) for k in (4, 5, 6)]
+    for seed, noise in ((1, 0.0), (2, 0.02)):
+        _fake(tmp_path, "muon_md", 64, lrs[0], seed, 3.0, 3.0 + noise)
+        _fake(tmp_path, "muon_md", 64, lrs[1], seed, 2.9, 2.9 + noise)
+        _fake(tmp_path, "muon_md", 64, lrs[2], seed, 2.8, 2.8 + noise, diverged=seed == 2)  # one seed diverged
+        _fake(tmp_path, "adamw", 64, lrs[0], seed, 3.0, None)  # no eval loss: ranked by train loss
+        _fake(tmp_path, "adamw", 64, lrs[1], seed, 2.5, None)
+    _, _, rs = R.write_all(tmp_path)
+    assert len(rs) == 10 and len(rows(tmp_path / "results.csv")) == 10
+    best = {(r["optimizer"], r["width"]): r for r in rows(tmp_path / "optima.csv")}
+    md = best[("muon_md", "64")]
+    assert float(md["best_lr"]) == lrs[1] and md["best_k"] == "5" and md["inside_grid"] == "true"
+    assert float(md["loss"]) == pytest.approx(2.91) and md["loss_kind"] == "eval" and md["seeds"] == "2"
+    ad = best[("adamw", "64")]
+    assert ad["loss_kind"] == "train" and float(ad["best_lr"]) == lrs[1] and ad["inside_grid"] == "false"
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_tiny_sweep_resumes_after_interruption_and_writes_csv_and_png(tmp_path):
+    out = tmp_path / "sweep"
+    argv = ["lr-sweep", "--model", "tiny-dense", "--out", str(out), "--widths", "32,64", "--lrs", "2",
+            "--steps", "3", "--optimizers", "adamw,muon_md", "--", *TINY]
+    first = run_cli(argv[:-len(TINY) - 1] + ["--max-cells", "3", "--", *TINY], timeout=300)
+    assert "stopped after 3 new cells" in first.stdout
+    done = sorted(out.glob("cells/*/result.json"))
+    assert len(done) == 3
+    mtimes = {p: p.stat().st_mtime_ns for p in done}
+    assert len(rows(out / "results.csv")) == 3 and (out / "lr_transfer.png").exists()
+
+    second = run_cli(argv, timeout=300)
+    assert second.stdout.count("skipped (finished)") == 3 and second.stdout.count(": ok (") == 5
+    assert {p: p.stat().st_mtime_ns for p in done} == mtimes  # finished cells were not rerun
+    res = rows(out / "results.csv")
+    assert len(res) == 8 and {r["status"] for r in res} == {"ok"}
+    assert {(r["optimizer"], r["width"]) for r in res} == {(o, w) for o in ("adamw", "muon_md") for w in ("32", "64")}
+    for r in res:
+        assert math.isfinite(float(r["final_train_loss"])) and math.isfinite(float(r["final_eval_loss"]))
+        assert r["steps"] == "3" and int(r["params"]) > 0 and r["k"] != ""
+    assert {r["params"] for r in res if r["width"] == "32"} != {r["params"] for r in res if r["width"] == "64"}
+    opt = rows(out / "optima.csv")
+    assert len(opt) == 4 and all(r["inside_grid"] == "false" for r in opt)  # 2 LRs: the optimum is an edge
+    assert (out / "lr_transfer.png").read_bytes()[:4] == b"\x89PNG" and (out / "lr_transfer.csv").exists()
+
+
+def test_diverged_cell_is_recorded_once(tmp_path):
+    out = tmp_path / "sweep"
+    argv = ["lr-sweep", "--model", "tiny-dense", "--out", str(out), "--widths", "32", "--lrs", "1", "--steps", "4",
+            "--optimizers", "adamw", "--no-plot", "--", *TINY, "--inject-nan-at", "1", "--inject-nan-iters", "4",
+            "--max-consecutive-skips", "2"]
+    first = run_cli(argv, timeout=120)
+    assert ": diverged (" in first.stdout
+    (res,) = [json.loads(p.read_text()) for p in out.glob("cells/*/result.json")]
+    assert res["diverged"] is True and res["returncode"] == 3 and res["status"] == "diverged"
+    (row,) = rows(out / "results.csv")
+    assert row["diverged"] == "true" and row["final_train_loss"] == ""
+    (best,) = rows(out / "optima.csv")
+    assert best["best_lr"] == "" and best["inside_grid"] == "false"
+    again = run_cli(argv, timeout=120)
+    assert "skipped (finished)" in again.stdout and "running" not in again.stdout
+
+
+def test_coord_check_writes_one_row_per_optimizer_width_layer_step(tmp_path):
+    out = tmp_path / "cc"
+    run_cli(["lr-sweep", "--coord-check", "--model", "tiny-dense", "--out", str(out), "--widths", "32,64",
+             "--steps", "2", "--optimizers", "adamw,muon_md", "--", *TINY], timeout=300)
+    rs = rows(out / "coord_check.csv")
+    keys = [(r["optimizer"], r["width"], r["layer"], r["step"]) for r in rs]
+    layers = ["embedding", "L0", "L1", "output"]  # tiny-dense has 2 layers
+    assert sorted(keys) == sorted((o, w, lay, s) for o in ("adamw", "muon_md") for w in ("32", "64")
+                                  for lay in layers for s in ("0", "1", "2"))
+    for r in rs:
+        assert float(r["act_rms"]) > 0
+        assert (r["rel_update"] == "") == (r["step"] == "0")
+    # MD with shape_up: each hidden matrix's direction moves by the matrix LR per step at every width
+    for r in rs:
+        if r["optimizer"] == "muon_md" and r["layer"].startswith("L") and r["step"] == "1":
+            assert 0.5 * float(r["lr"]) < float(r["rel_update_mlp_fc1"]) < 1.5 * float(r["lr"])
+    assert (out / "coord_check.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------- SLURM grid and tools
+
+
+def test_slurm_grid_is_accepted_by_lr_sweep_sbatch(tmp_path, capsys):
+    from megatron_md import cli
+    from megatron_md.training import config as C
+
+    grid = tmp_path / "g.tsv"
+    argv = ["--model", "tiny-dense", "--out", str(tmp_path / "o"), "--widths", "32,64", "--lrs", "2", "--steps", "7",
+            "--optimizers", "adamw,muon_md", "--slurm-grid", str(grid), "--", "--mock-data"]
+    assert command.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "sbatch --array=0-7 slurm/lr_sweep.sbatch" in printed and f"GRID={grid}" in printed
+    config = tmp_path / "g.yaml"
+    assert config.read_text() == "preset: tiny-dense\n"
+    bash = shutil.which("bash") or "/bin/bash"
+    env = {"HOME": str(tmp_path), "PATH": "/nonexistent", "GRID": str(grid), "CONFIG": str(config),
+           "PYTHON": "/opt/venv/bin/python", "DRY_RUN": "1"}
+    sbatch = str(REPO / "slurm" / "lr_sweep.sbatch")
+    p = subprocess.run([bash, sbatch, "--array-range", str(grid)], env=env, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and p.stdout == "0-7\n", p.stderr
+    s = spec(optimizers=["adamw", "muon_md"], widths=[32, 64], lrs=2, steps=7, extra=["--mock-data"])
+    for task, cell in enumerate(s.cells()):
+        if task % 3:
+            continue  # a few rows are enough
+        p = subprocess.run([bash, sbatch], env=dict(env, SLURM_ARRAY_TASK_ID=str(task)), capture_output=True,
+                           text=True, timeout=30, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        cmd = shlex.split(p.stdout)
+        train = cmd[cmd.index("megatron_md.cli") + 2:]
+        args = vars(cli._train_parser().parse_args(train))
+        got = C.resolve(None, args.pop("config"), args)
+        want = runner.resolve_cell(s, cell)
+        assert got.optimizer == want.optimizer and got.model == want.model
+        assert got.training.train_iters == 7 and got.training.seed == 1 and got.data.mock_data
+        assert train[train.index("--wandb-exp-name") + 1] == cell.name
+
+
+def test_tools_wrap_the_same_main(tmp_path):
+    env = dict(os.environ, PYTHONPATH="")
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "lr_sweep.py"), "--help"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0 and "--coord-check" in p.stdout and "--matrix-lr" in p.stdout
+    _fake(tmp_path, "muon", 32, G.lr_of_k(8), 1, 3.0, 3.1)
+    _fake(tmp_path, "muon", 32, G.lr_of_k(9), 1, 2.9, 2.8)
+    R.write_all(tmp_path)
+    png = tmp_path / "plots" / "t.png"
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "plot_lr_transfer.py"), str(tmp_path / "results.csv"),
+                        "--out", str(png)], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG" and (tmp_path / "plots" / "t.csv").read_text() == (
+        tmp_path / "results.csv").read_text()
