@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_md-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-multirank params gpu-smoke bench clean-runs
+.PHONY: setup demo test test-slow test-multirank params gpu-smoke bench readme records clean-runs
 
 setup: $(STAMP)
 
@@ -33,6 +33,15 @@ gpu-smoke: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
+
+# Redraw the records' figures and rewrite the README's generated tables (records/, benchmarks/results/).
+readme: $(STAMP)
+	$(PY) tools/plot_records.py $$(ls -d records/*-lr-transfer records/*-md-ablations records/*-manifold-geometry 2>/dev/null)
+	$(PY) tools/render_readme_tables.py
+
+# Rerun the CPU records into runs/records/ (hours on 2 cores; resumable; records/ is never touched).
+records: $(STAMP)
+	for r in records/*/reproduce.sh; do bash $$r || exit 1; done
 
 clean-runs:
 	@echo "runs/ holds your runs and checkpoints; remove it by hand if you mean it."

@@ -51,13 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=Path("spectra.png"))
     ap.add_argument("--stat", default="sigma_max", help="sigma_max, sigma_min, off_gram, fro, gain_row_mean, ...")
+    ap.add_argument("--labels", help="Comma-separated legend labels, one per run [default: the run directories' names]")
+    ap.add_argument("--log-y", action="store_true", help="Logarithmic y axes.")
     a = ap.parse_args(argv)
+    labels = a.labels.split(",") if a.labels else [run.name or str(run) for run in a.runs]
+    if len(labels) != len(a.runs):
+        print(f"plot_spectra: --labels has {len(labels)} names for {len(a.runs)} runs", file=sys.stderr)
+        return 2
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = {run.name or str(run): load(run) for run in a.runs}
+    data = {label: load(run) for label, run in zip(labels, a.runs)}
     modules = sorted({m for mats, _ in data.values() for m in mats.get(a.stat, {})})
     if not modules:
         print(f"plot_spectra: no diag/*/{a.stat} values in {', '.join(map(str, a.runs))} "
@@ -81,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                     label=f"{name} L{layer}")
         ax.set_title("max attention logit per layer")
         ax.set_xlabel("iteration")
+    if a.log_y:
+        for ax in axes[0]:
+            ax.set_yscale("log")
     axes[0][0].legend(fontsize=7)
     axes[0][-1].legend(fontsize=6)
     fig.tight_layout()

@@ -7,8 +7,9 @@ Each generated block sits between two markers in the README::
     <!-- END optimizer_step -->
 
 ``optimizer_step``: every ``benchmarks/results/*.json`` written by ``benchmarks/optimizer_step.py``
-(sorted by file name), one table each. Further blocks (e.g. ``records/*/*.csv``) register in
-``BLOCKS``. Standard library only: no torch import.
+(sorted by file name), one table each. ``records_*``: the newest ``records/<date>-<kind>/`` of each kind,
+summarised and judged by ``megatron_md.sweep.records`` from its CSVs and cells' metrics.jsonl.
+Standard library only: no torch import.
 
     python tools/render_readme_tables.py            # rewrite README.md in place
     python tools/render_readme_tables.py --check    # exit 1 if README.md is out of date
@@ -120,8 +121,155 @@ def render_optimizer_step(repo: Path) -> str:
     return "\n\n".join(blocks)
 
 
+# ----------------------------------------------------------------------------- records (CPU experiments)
+
+GEOMETRY = {  # preset -> (attention, MLP), as in ALGORITHMS.md section 3.5
+    "unconstrained": ("Muon + WD", "Muon + WD"), "all-stiefel": ("Stiefel", "Stiefel"),
+    "all-dgram": ("DGram", "DGram"), "hetero": ("Stiefel", "DGram"), "hetero-inv": ("DGram", "Stiefel"),
+    "hetero-md": ("Stiefel", "MD sphere + gains"),
+}
+ABLATION_FLAGS = {"rowcol": "(defaults: --md-gains rowcol --md-gain-param softplus, no warmup)",
+                  "row": "--md-gains row", "col": "--md-gains col", "none": "--md-gains none (Muon + sphere)",
+                  "direct": "--md-gain-param direct", "warmup-10pct": "--warmups 10%"}
+
+
+def _records():
+    sys.path.insert(0, str(REPO))
+    from megatron_md.sweep import records
+
+    return records
+
+
+def _loss(b) -> str:
+    import math
+
+    if not math.isfinite(b.mean):
+        return "diverged"
+    return f"{b.mean:.4f} ± {b.std:.4f}" if math.isfinite(b.std) else f"{b.mean:.4f}"
+
+
+def _no_record(kind: str) -> str:
+    return f"_No `records/*-{kind}` yet._"
+
+
+def render_lr_transfer(repo: Path) -> str:
+    R = _records()
+    rec = R.latest(repo, "lr-transfer")
+    if rec is None:
+        return _no_record("lr-transfer")
+    best = R.lr_transfer(rec)
+    widths = sorted({w for per in best.values() for w in per})
+    rel = rec.relative_to(repo)
+    any_b = next(iter(next(iter(best.values())).values()))
+    lines = [f"Best LR per width (swept LR `1e-3·2^(k/2)`; final {any_b.kind} loss, mean ± std over seeds at that LR; "
+             f"† = optimum on the grid's edge). From `{rel}/results.csv`; plot `{rel}/lr_transfer.png`.", "",
+             "| optimizer | warmup, wd | " + " | ".join(f"width {w}" for w in widths) + " |",
+             "|---|---|" + "---|" * len(widths)]
+    for opt in ("adamw", "muon", "muon_md", *sorted(set(best) - {"adamw", "muon", "muon_md"})):
+        if opt not in best:
+            continue
+        per = best[opt]
+        first = next(iter(per.values()))
+        cells = []
+        for w in widths:
+            b = per.get(w)
+            if b is None:
+                cells.append("–")
+            elif b.lr is None:
+                cells.append("all diverged")
+            else:
+                cells.append(f"k={b.k:g} ({b.lr:.3g}){'' if b.inside else ' †'}: {_loss(b)} (n={b.n})")
+        lines.append(f"| `{opt}` | {first.warmup}, {first.weight_decay:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_md_ablations(repo: Path) -> str:
+    R = _records()
+    rec = R.latest(repo, "md-ablations")
+    if rec is None:
+        return _no_record("md-ablations")
+    v = R.ablations(rec)
+    rel = rec.relative_to(repo)
+    base = v.get("rowcol")
+    width = next(iter(v.values())).width
+    lines = [f"MuonMD variants at width {width} (best matrix LR of each; mean ± std over seeds). From "
+             f"`{rel}/variants/*/results.csv`; plot `{rel}/ablations.png`.", "",
+             "| variant | flags | best matrix LR | final loss | minus row+col |", "|---|---|---|---|---:|"]
+    for name in sorted(v, key=lambda n: (n != "rowcol", n)):
+        b = v[name]
+        delta = f"{b.mean - base.mean:+.4f}" if base is not None and name != "rowcol" else ""
+        lr = "all diverged" if b.lr is None else f"{b.lr:.3g} (k={b.k:g}){'' if b.inside else ' †'}"
+        lines.append(f"| {name} | `{ABLATION_FLAGS.get(name, '')}` | {lr} | {_loss(b)} | {delta} |")
+    return "\n".join(lines)
+
+
+def render_manifold(repo: Path) -> str:
+    import math
+
+    R = _records()
+    rec = R.latest(repo, "manifold-geometry")
+    if rec is None:
+        return _no_record("manifold-geometry")
+    rel = rec.relative_to(repo)
+    out = []
+    for set_name in R.manifold_sets(rec):
+        runs = R.manifold_runs(rec, set_name)
+        best = R.manifold_best(runs)
+        steps = max(r.steps for r in runs)
+        lr = runs[0].lr
+        out += [f"**{set_name}**: matrix LR {lr:g}, {steps} steps, {len(set(r.seed for r in runs))} seed(s) "
+                f"(`{rel}/{set_name}/`). σ_max and max logit: first logged → last (peak), the largest over layers "
+                "(and over the two matrices of a block), averaged over seeds.", "",
+                "| preset | attention | MLP | final eval loss | attention σ_max | MLP σ_max | max attention logit "
+                "| diverged or spiked |", "|---|---|---|---|---|---|---|---|"]
+
+        def trio(rs, kind):
+            vals = [(r.first.get(kind), r.last.get(kind), r.peak.get(kind)) for r in rs]
+            if any(x is None for t in vals for x in t):
+                return "–"
+            m = [sum(t[i] for t in vals) / len(vals) for i in range(3)]
+            return f"{m[0]:.2f} → {m[1]:.2f} ({m[2]:.2f})"
+
+        for preset in R.PRESETS:
+            rs = [r for r in runs if r.preset == preset]
+            if not rs:
+                continue
+            att, mlp = GEOMETRY.get(preset, ("?", "?"))
+            bad = sum(1 for r in rs if r.status != "ok" or r.spiked)
+            loss = _loss(best[preset]) if math.isfinite(best[preset].mean) else "diverged"
+            out.append(f"| {preset} | {att} | {mlp} | {loss} | {trio(rs, 'attn_sigma_max')} | "
+                       f"{trio(rs, 'mlp_sigma_max')} | {trio(rs, 'max_logit')} | {bad}/{len(rs)} |")
+        out.append("")
+    return "\n".join(out) if out else _no_record("manifold-geometry")
+
+
+def render_claims(repo: Path) -> str:
+    R = _records()
+    claims = []
+    transfer = R.latest(repo, "lr-transfer")
+    if transfer is not None:
+        claims += R.lr_transfer_claims(transfer, str(transfer.relative_to(repo)))
+    abl = R.latest(repo, "md-ablations")
+    if abl is not None:
+        claims += R.ablation_claims(abl, str(abl.relative_to(repo)), transfer)
+    man = R.latest(repo, "manifold-geometry")
+    if man is not None:
+        claims += R.manifold_claims(man, str(man.relative_to(repo)))
+    if not claims:
+        return "_No records yet._"
+    lines = ["| claim | at this scale | evidence (loss gaps: mean difference ± 2 standard errors) | reproduce |",
+             "|---|---|---|---|"]
+    for c in claims:
+        lines.append(f"| {c.claim} | **{c.verdict}** | {c.evidence} | `bash {c.record}/reproduce.sh` |")
+    return "\n".join(lines)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "optimizer_step": render_optimizer_step,
+    "records_claims": render_claims,
+    "records_lr_transfer": render_lr_transfer,
+    "records_md_ablations": render_md_ablations,
+    "records_manifold": render_manifold,
 }
 
 

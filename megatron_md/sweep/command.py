@@ -25,6 +25,7 @@ Outputs: OUT/cells/<cell>/ (run dir + result.json), OUT/results.csv, OUT/optima.
 --coord-check: OUT/coord_check.csv and .png.
 
   {PROG} --model tiny-dense --out runs/lrt --widths 64,128 --lrs 3 --steps 20 --optimizers adamw,muon_md -- --mock-data
+  {PROG} --config examples/lr_transfer/dense_cpu.yaml --corpus runs/corpus --widths 64,128,256 --seeds 1,2
 """
 
 
@@ -37,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
                       "there is no --config].")
     p.add_argument("--out", default="runs/lr-sweep", help="Sweep directory; rerun with the same one to resume "
                    "[default: runs/lr-sweep].")
+    p.add_argument("--corpus", metavar="DIR", help="Train on the embedded Python-docs corpus, tokenised into DIR "
+                   "on first use (adds --data-path and --tokenizer-model to every cell).")
     p.add_argument("--widths", required=True, help="Comma-separated --hidden-size values (heads = width / "
                    "--kv-channels, FFN = ratio x width).")
     p.add_argument("--optimizers", default="adamw,muon,muon_md", help="Comma-separated: " + ", ".join(G.RECIPES)
@@ -67,6 +70,14 @@ def parser() -> argparse.ArgumentParser:
 
 def build_spec(a, extra: list[str]) -> G.SweepSpec:
     base = ["--config", a.config] if a.config else ["--model", a.model or "tiny-dense"]
+    if getattr(a, "corpus", None):
+        given = [f for f in ("--data-path", "--tokenizer-model", "--mock-data") if any(x.split("=")[0] == f for x in extra)]
+        if given:
+            raise G.GridError(f"--corpus and {given[0]} after '--' both choose the data; keep one")
+        from megatron_md.training.data import prepare_demo_data
+
+        prefix, tokenizer = prepare_demo_data(Path(a.corpus), log=None)
+        extra = ["--data-path", prefix, "--tokenizer-model", tokenizer, *extra]
     optimizers = G.parse_optimizers(a.optimizers)
     G.check_extra(extra, optimizers)
     for name, value in (("--steps", a.steps), ("--log-interval", a.log_interval)):

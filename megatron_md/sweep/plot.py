@@ -90,6 +90,84 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
     return out_png
 
 
+def plot_ablations(record: Path, out_png: Path) -> Path:
+    """One panel: final loss vs matrix LR, one curve per MuonMD variant (``variants/<name>/results.csv``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_md.sweep.results import curves, read_csv
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    paths = sorted(Path(record).glob("variants/*/results.csv"))
+    if not paths:
+        raise ValueError(f"{record}: no variants/*/results.csv")
+    for i, path in enumerate(paths):
+        for _, (kind, pts) in curves(read_csv(path)).items():
+            good = [p for p in pts if math.isfinite(p[1])]
+            if not good:
+                continue
+            colour = plt.get_cmap("tab10")(i % 10)
+            ax.plot([p[0] for p in good], [p[1] for p in good], marker="o", ms=3.5, color=colour,
+                    label=path.parent.name)
+            best = min(good, key=lambda p: p[1])
+            ax.plot([best[0]], [best[1]], marker="*", ms=13, color=colour, mec="black", mew=0.7, linestyle="none")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("matrix LR (log2 axis)")
+    ax.set_ylabel(f"final {kind} loss (mean over seeds)")
+    ax.set_title("MuonMD ablations (* = optimum per variant)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def plot_loss_curves(run_dirs: dict[str, list[Path]], out_png: Path, title: str) -> Path:
+    """Train loss vs iteration, one colour per label (mean over its runs, min-max band)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    lows = []
+    for i, (label, dirs) in enumerate(run_dirs.items()):
+        series = []
+        for d in dirs:
+            pts = {}
+            for line in (Path(d) / "metrics.jsonl").read_text().splitlines():
+                rec = json.loads(line)
+                if "lm_loss" in rec and "eval_lm_loss" not in rec:
+                    pts[rec["iteration"]] = rec["lm_loss"]
+            series.append(pts)
+        its = sorted(set.intersection(*(set(s) for s in series))) if series else []
+        if not its:
+            continue
+        ys = [[s[it] for s in series] for it in its]
+        mean = [sum(y) / len(y) for y in ys]
+        colour = plt.get_cmap("tab10")(i % 10)
+        ax.plot(its, mean, color=colour, lw=1.2, label=f"{label} (n={len(series)})")
+        if len(series) > 1:
+            ax.fill_between(its, [min(y) for y in ys], [max(y) for y in ys], color=colour, alpha=0.15)
+        lows.append(min(m for m in mean if math.isfinite(m)))
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("train loss")
+    if lows:
+        ax.set_ylim(min(lows) - 0.1, min(lows) + 2.5)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="plot_lr_transfer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

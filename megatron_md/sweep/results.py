@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional
@@ -41,7 +42,7 @@ def _cell(v) -> str:
 
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> Path:
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two sweeps may share one --out
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(columns)

@@ -188,7 +188,7 @@ def test_render_rewrites_only_the_marked_block(tiny_run, tmp_path, capsys):
     repo = _temp_repo(tmp_path, out)
     readme = repo / "README.md"
     readme.write_text(README)
-    args = ["--readme", str(readme), "--repo", str(repo)]
+    args = ["--readme", str(readme), "--repo", str(repo), "--block", "optimizer_step"]
     assert render.main([*args, "--check"]) == 1  # stale
     assert render.main(args) == 0
     text = readme.read_text()
@@ -207,7 +207,8 @@ def test_render_without_results_and_without_markers(tmp_path, capsys):
     repo = _temp_repo(tmp_path, None)
     readme = repo / "README.md"
     readme.write_text(README)
-    assert render.main(["--readme", str(readme), "--repo", str(repo)]) == 0
+    one = ["--block", "optimizer_step"]
+    assert render.main(["--readme", str(readme), "--repo", str(repo), *one]) == 0
     assert "No results yet" in readme.read_text()
     readme.write_text("# No markers here\n")
     capsys.readouterr()

@@ -107,6 +107,7 @@ def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
     (["--steps", "0"], "--steps"),
     (["--", "--hidden-size", "64"], "use lr-sweep --widths"),
     (["--", "--matrix-lr", "0.1"], "carries the swept LR of muon_md"),
+    (["--corpus", "unused", "--", "--mock-data"], "--corpus and --mock-data"),
 ])
 def test_bad_input_names_the_flag(tmp_path, capsys, args, message):
     base = ["--model", "tiny-dense", "--out", str(tmp_path / "o"), "--widths", "32", "--optimizers", "adamw,muon_md",
@@ -135,6 +136,21 @@ def test_defaults_and_dry_run(tmp_path, capsys):
     cmd = shlex.split(lines[-1])
     assert cmd[cmd.index("--matrix-lr") + 1] == "0.02" and cmd[cmd.index("--run-dir") + 1].startswith(str(out))
     assert not out.exists()
+
+
+def test_corpus_tokenises_the_embedded_corpus_once_for_every_cell(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    argv = ["--model", "tiny-dense", "--out", str(tmp_path / "o"), "--widths", "32,64", "--lrs", "1",
+            "--optimizers", "adamw", "--corpus", str(corpus), "--dry-run"]
+    assert command.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        cmd = shlex.split(line)
+        assert "--mock-data" not in cmd
+        prefix, model = cmd[cmd.index("--data-path") + 1], cmd[cmd.index("--tokenizer-model") + 1]
+        assert Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file() and Path(model).is_file()
+        assert Path(model).parent == corpus
 
 
 # ----------------------------------------------------------------------------- results

@@ -1,0 +1,229 @@
+"""megatron_md.sweep.records (summaries and verdicts of records/) and its README rendering, on synthetic
+records written here; and the real README's generated blocks are current."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_md.sweep import records as R
+from megatron_md.sweep.grid import lr_of_k
+from megatron_md.sweep.results import RESULT_COLUMNS, write_csv
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_renderer():
+    spec = importlib.util.spec_from_file_location("render_readme_tables", REPO / "tools" / "render_readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(opt, width, k, seed, loss, warmup=0, wd=0.0, steps=300, status="ok"):
+    return {"optimizer": opt, "width": width, "params": 1000, "lr": lr_of_k(k), "k": k, "seed": seed,
+            "warmup": warmup, "weight_decay": wd, "steps": steps, "final_train_loss": loss,
+            "final_eval_loss": None if status != "ok" else loss, "diverged": status != "ok",
+            "wall_s": 1.0, "cell": f"{opt}-w{width}-k{k}-s{seed}", "status": status}
+
+
+def _bowl(opt, width, k_best, base, ks, seeds=(1, 2), noise=0.001, curvature=0.05, **kw):
+    """A parabola in k with its minimum at k_best; seed s adds (s - 1.5) * noise."""
+    return [_row(opt, width, k, s, base + curvature * (k - k_best) ** 2 + (s - 1.5) * noise, **kw)
+            for k in ks for s in seeds]
+
+
+def _best(mean, std, n=2):
+    return R.Best("x", 64, 0, 0.0, 1e-3, 0, mean, std, n, True, 5, "eval")
+
+
+def test_compare_uses_two_standard_errors():
+    assert R.compare(_best(5.0, 0.01), _best(5.1, 0.01))[0] == R.HELD
+    assert R.compare(_best(5.1, 0.01), _best(5.0, 0.01))[0] == R.NOT_HELD
+    verdict, gap, noise = R.compare(_best(5.0, 0.1), _best(5.1, 0.1))
+    assert verdict == R.INCONCLUSIVE and gap == pytest.approx(0.1) and noise == pytest.approx(0.2)
+    assert R.compare(_best(5.0, math.nan, n=1), _best(6.0, math.nan, n=1))[0] == R.INCONCLUSIVE  # one seed
+    assert R.compare(_best(5.0, 0.01), _best(math.inf, math.nan))[0] == R.HELD  # b diverged
+    assert R.combine([R.HELD, R.HELD]) == R.HELD
+    assert R.combine([R.HELD, R.INCONCLUSIVE]) == R.INCONCLUSIVE
+    assert R.combine([R.INCONCLUSIVE, R.NOT_HELD]) == R.NOT_HELD
+
+
+def test_best_per_curve_means_seeds_and_flags_the_edge():
+    rows = _bowl("muon_md", 64, 11, 5.0, [10, 11, 12, 13]) + _bowl("adamw", 64, 9, 5.2, [5, 6, 7], wd=0.1)
+    best = R.best_per_curve(rows)
+    md = best[("muon_md", 64, 0, 0.0)]
+    assert md.k == 11 and md.inside and md.n == 2 and md.mean == pytest.approx(5.0)
+    assert md.std == pytest.approx(0.001 / math.sqrt(2))
+    assert not best[("adamw", 64, 0, 0.1)].inside and best[("adamw", 64, 0, 0.1)].k == 7
+    # a diverged seed disqualifies its LR even if the other seed is the lowest loss of all
+    rows = _bowl("muon", 64, 9, 5.0, [8, 9, 10])
+    rows[2] = _row("muon", 64, 9, 1, math.nan, status="diverged")
+    assert R.best_per_curve(rows)[("muon", 64, 0, 0.0)].k in (8, 10)
+
+
+def _transfer_record(tmp: Path, md_k: dict) -> Path:
+    rec = tmp / "records" / "2026-01-01-lr-transfer"
+    rec.mkdir(parents=True)
+    rows = []
+    for w, k in md_k.items():
+        rows += _bowl("muon_md", w, k, 4.8, range(9, 16))
+        rows += _bowl("muon", w, 9, 4.9, range(6, 13), warmup=30, wd=0.1)
+        rows += _bowl("adamw", w, 9 - w // 64, 5.0, range(2, 11), warmup=30, wd=0.1)
+    write_csv(rec / "results.csv", rows, RESULT_COLUMNS)
+    return rec
+
+
+def test_lr_transfer_claims(tmp_path):
+    rec = _transfer_record(tmp_path, {64: 12, 128: 12, 256: 13})
+    ranking, transfer = R.lr_transfer_claims(rec, "rec")
+    assert ranking.verdict == R.HELD and "w256" in ranking.evidence
+    assert transfer.verdict == R.HELD and "k=13" in transfer.evidence and "adamw moves 3 steps" in transfer.evidence
+    other = tmp_path / "b"
+    rec = _transfer_record(other, {64: 10, 128: 12, 256: 13})
+    assert R.lr_transfer_claims(rec, "rec")[1].verdict == R.NOT_HELD
+    edge = tmp_path / "c"
+    rec = _transfer_record(edge, {64: 12, 128: 15})  # 15 is the top of the swept range
+    assert R.lr_transfer_claims(rec, "rec")[1].verdict == R.INCONCLUSIVE
+
+
+def _ablation_record(tmp: Path, losses: dict) -> Path:
+    rec = tmp / "records" / "2026-01-01-md-ablations"
+    for name, base in losses.items():
+        d = rec / "variants" / name
+        d.mkdir(parents=True)
+        write_csv(d / "results.csv", _bowl("muon_md", 128, 12, base, range(10, 15)), RESULT_COLUMNS)
+    return rec
+
+
+def test_ablation_claims(tmp_path):
+    rec = _ablation_record(tmp_path, {"rowcol": 4.80, "row": 4.85, "col": 4.86, "none": 4.95, "direct": 4.80,
+                                      "warmup-10pct": 4.7})
+    claims = {c.claim: c for c in R.ablation_claims(rec, "rec")}
+    assert claims["Gains: row+col ≤ row-only, col-only ≤ none (sphere without gains)"].verdict == R.HELD
+    assert claims["MuonMD < Muon+sphere (no gains)"].verdict == R.HELD
+    assert claims["Softplus gains < direct gains"].verdict == R.INCONCLUSIVE  # equal means
+    # warmup clearly better than no warmup: "no warmup needed" does not hold
+    assert claims["MuonMD needs no warmup (0 warmup ≤ 10% warmup, within noise)"].verdict == R.NOT_HELD
+    rec2 = _ablation_record(tmp_path / "b", {"rowcol": 4.80, "warmup-10pct": 4.8002})
+    assert R.ablation_claims(rec2, "rec")[0].verdict == R.HELD
+
+
+def _metrics(path: Path, steps: int, attn_growth: float, spike_at=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for it in range(10, steps + 1, 10):
+        loss = 6.0 - it / steps + (3.0 if spike_at is not None and it >= spike_at else 0.0)
+        lines.append({"iteration": it, "lm_loss": loss})
+        if it % 50 == 0:
+            t = it / steps
+            rec = {"iteration": it}
+            for layer in (0, 1):
+                rec[f"diag/L{layer}.attention.qkv/sigma_max"] = 1.0 + (attn_growth - 1.0) * t + 0.1 * layer
+                rec[f"diag/L{layer}.attention.proj/sigma_max"] = 1.0
+                rec[f"diag/L{layer}.mlp.fc1/sigma_max"] = 2.0 + t
+                rec[f"diag/L{layer}.max_logit"] = 3.0 * (1.0 + (attn_growth - 1.0) * t) ** 2
+            lines.append(rec)
+    lines.append({"iteration": steps, "eval_lm_loss": 5.0})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def _manifold_record(tmp: Path, spike: bool) -> Path:
+    rec = tmp / "records" / "2026-01-01-manifold-geometry"
+    losses = {"unconstrained": 5.2, "all-stiefel": 5.1, "hetero": 5.0, "all-dgram": 4.9, "hetero-inv": 4.95}
+    for preset, loss in losses.items():
+        d = rec / "lr0.1" / preset
+        rows = []
+        for seed in (1, 2, 3):
+            r = _row("manifold_muon", 64, 13, seed, loss + 0.002 * seed, steps=500)
+            r["cell"] = f"c{seed}"
+            rows.append(r)
+            dgram = preset in R.DGRAM_ATTENTION
+            _metrics(d / "cells" / r["cell"] / "metrics.jsonl", 500, 3.0 if dgram else 1.0,
+                     spike_at=300 if (spike and dgram) else None)
+        write_csv(d / "results.csv", rows, RESULT_COLUMNS)
+    return rec
+
+
+def test_manifold_summaries_and_claims(tmp_path):
+    rec = _manifold_record(tmp_path, spike=False)
+    assert R.manifold_sets(rec) == ["lr0.1"]
+    runs = R.manifold_runs(rec, "lr0.1")
+    dg = next(r for r in runs if r.preset == "all-dgram")
+    assert dg.first["attn_sigma_max"] == pytest.approx(1.1 + 2.0 * 0.1)  # layer 1 at iteration 50, growth 3
+    assert dg.last["attn_sigma_max"] == pytest.approx(1.1 + 2.0) and not dg.spiked
+    assert dg.last["mlp_sigma_max"] == pytest.approx(3.0)
+    claims = {c.claim.split(" (")[0]: c for c in R.manifold_claims(rec, "rec")}
+    assert claims["HETERO < ALL-STIEFEL < UNCONSTRAINED"].verdict == R.HELD
+    assert claims["DGram on attention diverges"].verdict == R.INCONCLUSIVE
+    assert "0/6" in claims["DGram on attention diverges"].evidence
+    assert claims["DGram attention's σ_max and max logit grow, Stiefel's do not"].verdict == R.HELD
+    rec = _manifold_record(tmp_path / "spiked", spike=True)
+    claims = {c.claim.split(" (")[0]: c for c in R.manifold_claims(rec, "rec")}
+    assert claims["DGram on attention diverges"].verdict == R.HELD
+
+
+def test_spike_detection():
+    assert not R.spike([(10, 6.0), (50, 5.0), (100, 5.5)], 100)
+    assert R.spike([(10, 6.0), (50, 5.0), (100, 6.1)], 100)
+    assert R.spike([(10, 6.0), (20, math.nan)], 100)
+    assert not R.spike([(1, 9.0), (5, 6.0), (9, 7.5)], 100)  # within the first 10%: early noise
+
+
+def test_render_records_blocks(tmp_path):
+    render = _load_renderer()
+    _transfer_record(tmp_path, {64: 12, 128: 12})
+    _ablation_record(tmp_path, {"rowcol": 4.80, "none": 4.95})
+    _manifold_record(tmp_path, spike=False)
+    names = ["records_claims", "records_lr_transfer", "records_md_ablations", "records_manifold"]
+    readme = tmp_path / "README.md"
+    readme.write_text("# T\n\n" + "".join(f"<!-- BEGIN {n} -->\nSTALE\n<!-- END {n} -->\n\n" for n in names))
+    args = ["--readme", str(readme), "--repo", str(tmp_path)] + [x for n in names for x in ("--block", n)]
+    assert render.main(args) == 0
+    text = readme.read_text()
+    assert "STALE" not in text
+    assert "| `muon_md` | 0, 0 | k=12 (0.064): 4.8000 ± 0.0007 (n=2)" in text
+    assert "| none | `--md-gains none (Muon + sphere)` | 0.064 (k=12) | 4.9500 ± 0.0007 | +0.1500 |" in text
+    assert "| hetero-inv | DGram | Stiefel |" in text and "0/3 |" in text
+    assert "`bash records/2026-01-01-lr-transfer/reproduce.sh`" in text
+    assert render.main(args + ["--check"]) == 0
+
+
+def test_render_without_records(tmp_path):
+    render = _load_renderer()
+    assert "No `records/*-lr-transfer` yet" in render.render_lr_transfer(tmp_path)
+    assert render.render_claims(tmp_path) == "_No records yet._"
+
+
+def test_repository_readme_is_current():
+    """README.md's generated blocks match benchmarks/results and records/ (run tools/render_readme_tables.py)."""
+    render = _load_renderer()
+    assert render.main(["--check"]) == 0
+
+
+def test_keep_record_copies_finished_cells_and_never_overwrites(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("keep_record", REPO / "tools" / "keep_record.py")
+    keep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(keep)
+    src, dest = tmp_path / "sweep", tmp_path / "records" / "r"
+    for cell, done in (("a", True), ("b", False)):
+        d = src / "cells" / cell
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text('{"iteration": 1}\n')
+        (d / "train.log").write_text("log\n")
+        if done:
+            (d / "result.json").write_text("{}")
+    (src / "results.csv").write_text("optimizer\n")
+    assert keep.main([str(src), str(dest)]) == 0
+    kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert kept == ["cells/a/metrics.jsonl", "cells/a/result.json", "results.csv"]
+    assert keep.main([str(src), str(dest)]) == 0  # identical: nothing to do
+    (src / "results.csv").write_text("optimizer\nmuon\n")
+    capsys.readouterr()
+    assert keep.main([str(src), str(dest)]) == 2
+    assert "differ" in capsys.readouterr().err and (dest / "results.csv").read_text() == "optimizer\n"
+    assert keep.main([str(tmp_path / "nothing"), str(dest)]) == 2
