@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="Print every cell's command; run nothing.")
     p.add_argument("--slurm-grid", metavar="FILE", help="Write the grid as slurm/lr_sweep.sbatch's TSV and print "
                    "the sbatch command; run nothing.")
+    p.add_argument("--collect", metavar="SLURM_OUT", help="Gather the cells slurm/lr_sweep.sbatch trained into "
+                   "SLURM_OUT/<cell>/run (its OUT) into --out's CSVs and plot; give the grid flags used for "
+                   "--slurm-grid. Runs nothing.")
     p.add_argument("--no-plot", action="store_true", help="Skip OUT/lr_transfer.png.")
     p.add_argument("--coord-check", action="store_true", help="Coordinate check at each optimizer's centre LR "
                    "(in-process) instead of the sweep.")
@@ -150,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.slurm_grid:
             runner.write_slurm_grid(spec, Path(a.slurm_grid), log)
             return 0
+        if a.collect:
+            if not Path(a.collect).is_dir():
+                raise G.GridError(f"--collect {a.collect}: no such directory (slurm/lr_sweep.sbatch's OUT)")
+            counts = runner.collect_slurm(spec, Path(a.collect), out, log)
+            return _write_results(a, out, log) if counts["collected"] else 1
         return _sweep(spec, a, out, log)
     except (G.GridError, ValueError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -187,6 +195,12 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
     except (runner.SweepInterrupted, KeyboardInterrupt) as e:
         log(f"[lr-sweep] interrupted ({e or 'Ctrl-C'}): finished cells are kept; rerun the same command to resume")
         rc = 130
+    return _write_results(a, out, log) or rc
+
+
+def _write_results(a, out: Path, log) -> int:
+    from megatron_md.sweep import results
+
     res, opt, rows = results.write_all(out, log)
     log(f"[lr-sweep] wrote {res} ({len(rows)} cells) and {opt}")
     if rows and not a.no_plot:
@@ -194,4 +208,4 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
 
         png = plot_lr_transfer(res, out / "lr_transfer.png")
         log(f"[lr-sweep] wrote {png}")
-    return rc
+    return 0

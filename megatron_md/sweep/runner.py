@@ -273,6 +273,41 @@ def dry_run(spec: SweepSpec, out: Path, log: Callable[[str], None] = print) -> N
         log(done + "megatron-md train " + shlex.join(spec.train_args(cell, cell_dir(out, cell))))
 
 
+def collect_slurm(spec: SweepSpec, src: Path, out: Path, log: Callable[[str], None] = print) -> dict:
+    """Record the cells that slurm/lr_sweep.sbatch trained into ``src/<cell>/run`` as finished cells of
+    ``out`` (``result.json`` + a copy of ``metrics.jsonl``), so results.csv, optima.csv and the plot
+    cover them. Cells still running or never started are counted and left out."""
+    counts = {"collected": 0, "unfinished": 0, "missing": 0}
+    for cell in spec.cells():
+        run = Path(src) / cell.name / "run"
+        if not (run / "metrics.jsonl").exists():
+            counts["missing"] += 1
+            continue
+        m = summarize_metrics(run)
+        nonfinite = m["final_train_loss"] is None and m["logged"] > 0
+        if m["iterations"] < cell.steps and not nonfinite:
+            counts["unfinished"] += 1
+            log(f"[lr-sweep] {cell.name}: at iteration {m['iterations']} of {cell.steps}: not collected yet")
+            continue
+        d = cell_dir(out, cell)
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run / "metrics.jsonl", d / "metrics.jsonl")
+        status = "ok" if not nonfinite and not m["eval_nonfinite"] else "diverged"
+        write_json_atomic(d / RESULT, {
+            "cell": cell.name, "optimizer": cell.optimizer, "width": cell.width, "params": None,
+            "lr": cell.lr, "k": cell.k, "seed": cell.seed, "warmup": cell.warmup,
+            "weight_decay": cell.weight_decay, "steps": cell.steps,
+            "final_train_loss": m["final_train_loss"], "final_eval_loss": m["final_eval_loss"],
+            "diverged": status != "ok", "status": status, "returncode": None, "wall_s": None,
+            "iterations": m["iterations"], "skipped_total": m["skipped_total"], "args": spec.train_args(cell),
+            "collected_from": str(run),
+        })
+        counts["collected"] += 1
+    log(f"[lr-sweep] collected {counts['collected']} cells from {src}; {counts['unfinished']} unfinished, "
+        f"{counts['missing']} without metrics.jsonl")
+    return counts
+
+
 def write_slurm_grid(spec: SweepSpec, path: Path, log: Callable[[str], None] = print) -> Path:
     """The grid as slurm/lr_sweep.sbatch's TSV (name width lr optimizer seed extra_args).
 

