@@ -3,9 +3,12 @@
 
     python tools/keep_record.py runs/rec/lr-transfer records/2026-12-01-lr-transfer
 
-Kept: ``results.csv``, ``optima.csv`` and, per cell, ``metrics.jsonl``, ``result.json`` and the resolved
-``config.yaml`` (not TensorBoard files, logs or checkpoints). A destination file that exists with other
+Kept per finished cell (``--only GLOB`` to choose cells by name): ``metrics.jsonl``, ``result.json`` and
+the resolved ``config.yaml`` (not TensorBoard files, logs or checkpoints); then ``results.csv`` and
+``optima.csv`` are rebuilt from the kept cells. A cell file that exists in the destination with other
 content stops the copy before anything is written; identical files are left as they are.
+
+    python tools/keep_record.py runs/rec/lr-transfer records/X-md-ablations/variants/rowcol --only 'muon_md-w128-*'
 """
 
 import argparse
@@ -14,13 +17,14 @@ import shutil
 import sys
 from pathlib import Path
 
-TOP = ("results.csv", "optima.csv")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
 PER_CELL = ("metrics.jsonl", "result.json", "config.yaml")
 
 
-def plan(src: Path, dest: Path) -> list[tuple[Path, Path]]:
-    pairs = [(src / name, dest / name) for name in TOP if (src / name).exists()]
-    for cell in sorted((src / "cells").glob("*/")):
+def plan(src: Path, dest: Path, only: str = "*") -> list[tuple[Path, Path]]:
+    pairs = []
+    for cell in sorted((src / "cells").glob(f"{only}/")):
         if not (cell / "result.json").exists():
             continue  # unfinished: not part of the results
         pairs += [(cell / name, dest / "cells" / cell.name / name) for name in PER_CELL if (cell / name).exists()]
@@ -31,11 +35,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path, help="an lr-sweep --out directory")
     ap.add_argument("dest", type=Path, help="where in records/ it goes")
+    ap.add_argument("--only", default="*", metavar="GLOB", help="keep only the cells whose name matches")
     a = ap.parse_args(argv)
-    if not (a.src / "results.csv").exists():
-        print(f"keep_record: error: {a.src}/results.csv not found (is it an lr-sweep --out directory?)", file=sys.stderr)
+    pairs = plan(a.src, a.dest, a.only)
+    if not pairs:
+        print(f"keep_record: error: no finished cells matching {a.only!r} in {a.src}/cells (is it an lr-sweep "
+              "--out directory?)", file=sys.stderr)
         return 2
-    pairs = plan(a.src, a.dest)
     clash = [d for s, d in pairs if d.exists() and not filecmp.cmp(s, d, shallow=False)]
     if clash:
         print(f"keep_record: error: {len(clash)} file(s) in {a.dest} differ from {a.src}, e.g. {clash[0]}; "
@@ -47,7 +53,11 @@ def main(argv=None) -> int:
             d.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(s, d)
             n += 1
-    print(f"keep_record: {n} file(s) copied to {a.dest} ({len(pairs) - n} already there)")
+    from megatron_md.sweep.results import write_all
+
+    _, _, rows = write_all(a.dest)
+    print(f"keep_record: {n} file(s) copied to {a.dest} ({len(pairs) - n} already there); results.csv has "
+          f"{len(rows)} cells")
     return 0
 
 

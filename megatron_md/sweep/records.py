@@ -28,12 +28,17 @@ HELD, NOT_HELD, INCONCLUSIVE = "held", "not held", "inconclusive"
 PRESETS = ("unconstrained", "all-stiefel", "all-dgram", "hetero", "hetero-inv", "hetero-md")
 DGRAM_ATTENTION = ("all-dgram", "hetero-inv")  # presets whose attention is DGram-constrained
 STIEFEL_ATTENTION = ("all-stiefel", "hetero", "hetero-md")
+STIEFEL_TOL = 1e-2  # |sigma_max - 1| a Stiefel-constrained matrix may show (fp32 polar retraction)
 SPIKE_NATS = 1.0  # a logged train loss this far above its running minimum counts as a loss spike
 
 
+RESULTS_GLOB = {"lr-transfer": "results.csv", "md-ablations": "variants/*/results.csv",
+                "manifold-geometry": "*/*/results.csv"}
+
+
 def latest(repo: Path, kind: str) -> Optional[Path]:
-    """The newest ``records/*-<kind>`` directory, or None."""
-    found = sorted(p for p in (Path(repo) / "records").glob(f"*-{kind}") if p.is_dir())
+    """The newest ``records/*-<kind>`` directory that holds results, or None."""
+    found = sorted(p for p in (Path(repo) / "records").glob(f"*-{kind}") if any(p.glob(RESULTS_GLOB[kind])))
     return found[-1] if found else None
 
 
@@ -347,4 +352,9 @@ def manifold_claims(record: Path, rel: str) -> list[Claim]:
                 claims.append(Claim(f"DGram attention's σ_max and max logit grow, Stiefel's do not ({set_name})",
                                     verdict, f"attention σ_max growth: DGram ≥ {grow_dg:.2f}×, Stiefel ≤ {grow_st:.2f}×; "
                                     f"final max logit: DGram ≥ {logit_dg:.1f}, Stiefel ≤ {logit_st:.1f}", rel))
+        if st and all("attn_sigma_max" in r.peak for r in st):
+            # Stiefel pins every singular value of the attention matrices at 1
+            worst = max(abs(r.peak["attn_sigma_max"] - 1.0) for r in st)
+            claims.append(Claim(f"Stiefel keeps attention σ_max at 1 ({set_name})", HELD if worst < STIEFEL_TOL
+                                else NOT_HELD, f"largest |σ_max − 1| over the runs' logs: {worst:.1e}", rel))
     return claims

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_md.sweep import records as R
+from megatron_md.sweep.results import read_csv
 from megatron_md.sweep.grid import lr_of_k
 from megatron_md.sweep.results import RESULT_COLUMNS, write_csv
 
@@ -162,6 +163,8 @@ def test_manifold_summaries_and_claims(tmp_path):
     assert claims["DGram on attention diverges"].verdict == R.INCONCLUSIVE
     assert "0/6" in claims["DGram on attention diverges"].evidence
     assert claims["DGram attention's σ_max and max logit grow, Stiefel's do not"].verdict == R.HELD
+    # the synthetic Stiefel runs have layer 1 at 1.1: not pinned at 1
+    assert claims["Stiefel keeps attention σ_max at 1"].verdict == R.NOT_HELD
     rec = _manifold_record(tmp_path / "spiked", spike=True)
     claims = {c.claim.split(" (")[0]: c for c in R.manifold_claims(rec, "rec")}
     assert claims["DGram on attention diverges"].verdict == R.HELD
@@ -210,22 +213,26 @@ def test_keep_record_copies_finished_cells_and_never_overwrites(tmp_path, capsys
     keep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(keep)
     src, dest = tmp_path / "sweep", tmp_path / "records" / "r"
-    for cell, done in (("a", True), ("b", False)):
+    for cell, done in (("muon_md-a", True), ("muon_md-b", False), ("adamw-c", True)):
         d = src / "cells" / cell
         d.mkdir(parents=True)
         (d / "metrics.jsonl").write_text('{"iteration": 1}\n')
         (d / "train.log").write_text("log\n")
         if done:
-            (d / "result.json").write_text("{}")
-    (src / "results.csv").write_text("optimizer\n")
-    assert keep.main([str(src), str(dest)]) == 0
+            row = _row(cell.split("-")[0], 64, 12, 1, 5.0)
+            row["cell"] = cell
+            (d / "result.json").write_text(json.dumps(row))
+    assert keep.main([str(src), str(dest), "--only", "muon_md-*"]) == 0
     kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
-    assert kept == ["cells/a/metrics.jsonl", "cells/a/result.json", "results.csv"]
-    assert keep.main([str(src), str(dest)]) == 0  # identical: nothing to do
-    (src / "results.csv").write_text("optimizer\nmuon\n")
+    assert kept == ["cells/muon_md-a/metrics.jsonl", "cells/muon_md-a/result.json", "optima.csv", "results.csv"]
+    assert [r["cell"] for r in read_csv(dest / "results.csv")] == ["muon_md-a"]
+    assert keep.main([str(src), str(dest), "--only", "muon_md-*"]) == 0  # identical: nothing to do
+    (src / "cells" / "muon_md-a" / "metrics.jsonl").write_text('{"iteration": 2}\n')
     capsys.readouterr()
     assert keep.main([str(src), str(dest)]) == 2
-    assert "differ" in capsys.readouterr().err and (dest / "results.csv").read_text() == "optimizer\n"
+    assert "differ" in capsys.readouterr().err
+    assert (dest / "cells" / "muon_md-a" / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+    assert not (dest / "cells" / "adamw-c").exists()  # nothing copied when one file clashes
     assert keep.main([str(tmp_path / "nothing"), str(dest)]) == 2
 
 
