@@ -57,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
                    "steps (10%%) [default: the optimizer's recipe].")
     p.add_argument("--weight-decays", help="Comma-separated --weight-decay values [default: the recipe's].")
     p.add_argument("--log-interval", type=int, help="Cells' --log-interval [default: steps/50, at least 1].")
+    p.add_argument("--extend-edges", type=int, default=0, metavar="N",
+                   help="After the grid, add the next ladder LR (every seed) beyond each width x optimizer curve "
+                   "whose best LR is its lowest or highest, and repeat, at most N times: every optimum ends "
+                   "strictly inside its grid (or N more points were tried). Local runs only. [default: 0]")
     p.add_argument("--max-cells", type=int, help="Stop after running this many new cells (rerun to continue).")
     p.add_argument("--retry-failed", action="store_true", help="Rerun cells that failed (not diverged ones).")
     p.add_argument("--dry-run", action="store_true", help="Print every cell's command; run nothing.")
@@ -88,6 +92,11 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
             raise G.GridError(f"{name} must be >= 1, got {value}")
     if a.max_cells is not None and a.max_cells < 0:
         raise G.GridError(f"--max-cells must be >= 0, got {a.max_cells}")
+    if getattr(a, "extend_edges", 0) < 0:
+        raise G.GridError(f"--extend-edges must be >= 0, got {a.extend_edges}")
+    if getattr(a, "extend_edges", 0) and (a.dry_run or a.slurm_grid or a.collect or a.coord_check):
+        raise G.GridError("--extend-edges needs the results of the grid, so it runs locally only; drop it with "
+                          "--dry-run/--slurm-grid/--collect/--coord-check (rerun a wider --k-range instead)")
     from megatron_md.sweep import runner
 
     explicit = runner.base_explicit(base)
@@ -189,8 +198,20 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
     try:
         counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
                                   on_result=lambda: results.write_all(out), log=log)
-        if counts["failed"]:
-            log(f"[lr-sweep] {counts['failed']} cells failed (recorded as diverged; --retry-failed reruns them)")
+        failed = counts["failed"]
+        for round_ in range(1, a.extend_edges + 1):
+            if counts["left"]:
+                break  # --max-cells stopped the grid: its edges are not known yet
+            new = spec.extend_edges(results.collect(out))
+            if not new:
+                break
+            log(f"[lr-sweep] extend-edges {round_}/{a.extend_edges}: optimum on the grid's edge; adding "
+                + ", ".join(sorted({f"{c.optimizer} w{c.width} lr {c.lr:.3g}" for c in new})))
+            counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
+                                      on_result=lambda: results.write_all(out), log=log)
+            failed += counts["failed"]
+        if failed:
+            log(f"[lr-sweep] {failed} cells failed (recorded as diverged; --retry-failed reruns them)")
             rc = 1
     except (runner.SweepInterrupted, KeyboardInterrupt) as e:
         log(f"[lr-sweep] interrupted ({e or 'Ctrl-C'}): finished cells are kept; rerun the same command to resume")

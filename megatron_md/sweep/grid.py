@@ -245,6 +245,7 @@ class SweepSpec:
     extra: list[str] = field(default_factory=list)
     base_explicit: set = field(default_factory=set)  # config fields the base YAML sets
     notes: list = field(default_factory=list)  # said once before the sweep starts
+    added: list = field(default_factory=list)  # cells beyond the grid's edges (--extend-edges)
 
     def cells(self) -> list[Cell]:
         out = []
@@ -259,7 +260,35 @@ class SweepSpec:
                         for lr in lr_grid(opt, self.lrs, self.k_centers, self.k_ranges):
                             for seed in self.seeds:
                                 out.append(Cell(opt, width, lr, seed, wu, wd, self.steps))
-        return out
+        names = {c.name for c in out}
+        return out + [c for c in self.added if c.name not in names]
+
+    def extend_edges(self, rows: list[dict]) -> list[Cell]:
+        """One more ladder point beyond each curve whose best LR (seed mean) is its lowest or highest.
+
+        ``rows`` are results rows; only those of this sweep's cells count, so a rerun re-derives the
+        same added cells (and skips them, finished) whatever else the directory holds. The new cells
+        (every seed) are added to :meth:`cells` and returned; an empty list means every optimum is
+        inside. A curve whose every LR diverged is left alone (no direction to go).
+        """
+        from megatron_md.sweep.results import curves
+
+        mine = {c.name for c in self.cells()}
+        new = []
+        for key, (_, pts) in sorted(curves([r for r in rows if r.get("cell") in mine]).items()):
+            best = min(range(len(pts)), key=lambda i: pts[i][1])
+            if not math.isfinite(pts[best][1]):
+                continue
+            steps = ([-1] if best == 0 else []) + ([1] if best == len(pts) - 1 else [])
+            k = k_label(pts[best][0])
+            if k is None:
+                continue  # an explicit LR off the ladder: nowhere defined to step to
+            opt, width, wu, wd = key
+            new += [Cell(opt, width, lr_of_k(k + s), seed, wu, wd, self.steps) for s in steps for seed in self.seeds]
+        known = {c.name for c in self.cells()}
+        new = [c for c in new if c.name not in known]
+        self.added += new
+        return new
 
     def log_every(self) -> int:
         # ~50 records per run, so "the last 10% of logged losses" averages several points.

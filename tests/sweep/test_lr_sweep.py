@@ -105,6 +105,8 @@ def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
     (["--k-center", "muon=3"], "not in --optimizers"),
     (["--warmups", "x"], "--warmups"),
     (["--steps", "0"], "--steps"),
+    (["--extend-edges", "-1"], "--extend-edges must be >= 0"),
+    (["--extend-edges", "2"], "--extend-edges needs the results of the grid"),  # with --dry-run
     (["--", "--hidden-size", "64"], "use lr-sweep --widths"),
     (["--", "--matrix-lr", "0.1"], "carries the swept LR of muon_md"),
     (["--corpus", "unused", "--", "--mock-data"], "--corpus and --mock-data"),
@@ -183,6 +185,30 @@ def test_optima_inside_grid_seed_mean_and_divergence(tmp_path):
     assert ad["loss_kind"] == "train" and float(ad["best_lr"]) == lrs[1] and ad["inside_grid"] == "false"
 
 
+def test_extend_edges_adds_the_next_ladder_point_beyond_an_edge_optimum(tmp_path):
+    sp = spec(optimizers=("muon_md", "adamw"), widths=[64, 128], seeds=[1, 2], k_ranges={"muon_md": (4, 6),
+              "adamw": (4, 6)})
+    wu = {c.optimizer: c.warmup for c in sp.cells()}
+    wd = {c.optimizer: c.weight_decay for c in sp.cells()}
+    losses = {("muon_md", 64): (3.0, 2.9, 2.8),  # best at the top edge -> k 7
+              ("muon_md", 128): (2.7, 2.8, 2.9),  # best at the bottom edge -> k 3
+              ("adamw", 64): (3.0, 2.5, 2.9),  # inside: nothing added
+              ("adamw", 128): (math.inf,) * 3}  # all diverged: no direction, nothing added
+    rs = [{"cell": G.Cell(o, w, G.lr_of_k(k), s, wu[o], wd[o], sp.steps).name, "optimizer": o, "width": w,
+           "warmup": wu[o], "weight_decay": wd[o], "lr": G.lr_of_k(k), "seed": s, "final_eval_loss": v if math.isfinite(v) else None, "final_train_loss": v if math.isfinite(v) else None,
+           "diverged": not math.isfinite(v)}
+          for (o, w), vs in losses.items() for k, v in zip((4, 5, 6), vs) for s in (1, 2)]
+    n0 = len(sp.cells())
+    new = sp.extend_edges(rs)
+    assert sorted((c.optimizer, c.width, c.k, c.seed) for c in new) == [
+        ("muon_md", 64, 7, 1), ("muon_md", 64, 7, 2), ("muon_md", 128, 3, 1), ("muon_md", 128, 3, 2)]
+    assert len(sp.cells()) == n0 + 4 and sp.extend_edges(rs) == []  # already added: not added twice
+    assert all(c.warmup == wu["muon_md"] and c.steps == sp.steps for c in new)
+    # a curve of one LR grows on both sides; rows of cells outside the sweep do not count
+    one = spec(optimizers=("muon_md",), widths=[64], seeds=[1, 2], k_ranges={"muon_md": (5, 5)})
+    assert sorted({c.k for c in one.extend_edges(rs)}) == [4, 6]
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -210,6 +236,18 @@ def test_tiny_sweep_resumes_after_interruption_and_writes_csv_and_png(tmp_path):
     opt = rows(out / "optima.csv")
     assert len(opt) == 4 and all(r["inside_grid"] == "false" for r in opt)  # 2 LRs: the optimum is an edge
     assert (out / "lr_transfer.png").read_bytes()[:4] == b"\x89PNG" and (out / "lr_transfer.csv").exists()
+
+
+def test_extend_edges_runs_until_the_optimum_is_inside(tmp_path):
+    out = tmp_path / "sweep"
+    argv = ["lr-sweep", "--model", "tiny-dense", "--out", str(out), "--widths", "32", "--lrs", "1", "--steps", "3",
+            "--optimizers", "muon_md", "--extend-edges", "1", "--no-plot", "--", *TINY]
+    first = run_cli(argv, timeout=300)
+    assert "extend-edges 1/1" in first.stdout and first.stdout.count(": ok (") == 3
+    (best,) = rows(out / "optima.csv")
+    assert best["n_lrs"] == "3"  # k 11, 12, 13: the centre plus one point on each side
+    again = run_cli(argv, timeout=300)  # resuming re-derives the same added cells and skips them
+    assert again.stdout.count("skipped (finished)") >= 1 and "running" not in again.stdout
 
 
 def test_diverged_cell_is_recorded_once(tmp_path):
