@@ -11,7 +11,10 @@ Each generated block sits between two markers in the README::
 summarised and judged by ``megatron_md.sweep.records`` from its CSVs and cells' metrics.jsonl.
 Standard library only: no torch import.
 
-    python tools/render_readme_tables.py            # rewrite README.md in place
+Each ``records/<date>-<kind>/README.md`` with a ``record_summary`` block gets that record's table, and
+its ``record_claims`` block the claims it is judged on (the newest record of each kind).
+
+    python tools/render_readme_tables.py            # rewrite README.md (and the records' READMEs) in place
     python tools/render_readme_tables.py --check    # exit 1 if README.md is out of date
 """
 
@@ -152,9 +155,9 @@ def _no_record(kind: str) -> str:
     return f"_No `records/*-{kind}` yet._"
 
 
-def render_lr_transfer(repo: Path) -> str:
+def render_lr_transfer(repo: Path, rec: Path | None = None) -> str:
     R = _records()
-    rec = R.latest(repo, "lr-transfer")
+    rec = rec or R.latest(repo, "lr-transfer")
     if rec is None:
         return _no_record("lr-transfer")
     best = R.lr_transfer(rec)
@@ -183,9 +186,9 @@ def render_lr_transfer(repo: Path) -> str:
     return "\n".join(lines)
 
 
-def render_md_ablations(repo: Path) -> str:
+def render_md_ablations(repo: Path, rec: Path | None = None) -> str:
     R = _records()
-    rec = R.latest(repo, "md-ablations")
+    rec = rec or R.latest(repo, "md-ablations")
     if rec is None:
         return _no_record("md-ablations")
     v = R.ablations(rec)
@@ -203,11 +206,11 @@ def render_md_ablations(repo: Path) -> str:
     return "\n".join(lines)
 
 
-def render_manifold(repo: Path) -> str:
+def render_manifold(repo: Path, rec: Path | None = None) -> str:
     import math
 
     R = _records()
-    rec = R.latest(repo, "manifold-geometry")
+    rec = rec or R.latest(repo, "manifold-geometry")
     if rec is None:
         return _no_record("manifold-geometry")
     rel = rec.relative_to(repo)
@@ -243,17 +246,18 @@ def render_manifold(repo: Path) -> str:
     return "\n".join(out) if out else _no_record("manifold-geometry")
 
 
-def render_claims(repo: Path) -> str:
+def render_claims(repo: Path, only: Path | None = None) -> str:
+    """Every claim of the newest records, or (``only``) the claims that one record judges."""
     R = _records()
     claims = []
     transfer = R.latest(repo, "lr-transfer")
-    if transfer is not None:
+    if transfer is not None and only in (None, transfer):
         claims += R.lr_transfer_claims(transfer, str(transfer.relative_to(repo)))
     abl = R.latest(repo, "md-ablations")
-    if abl is not None:
+    if abl is not None and only in (None, abl):
         claims += R.ablation_claims(abl, str(abl.relative_to(repo)), transfer)
     man = R.latest(repo, "manifold-geometry")
-    if man is not None:
+    if man is not None and only in (None, man):
         claims += R.manifold_claims(man, str(man.relative_to(repo)))
     if not claims:
         return "_No records yet._"
@@ -297,6 +301,33 @@ def render(readme_text: str, repo: Path, names=None) -> str:
     return readme_text
 
 
+RECORD_KINDS = {"lr-transfer": render_lr_transfer, "md-ablations": render_md_ablations,
+                "manifold-geometry": render_manifold}
+
+
+def render_record(readme_text: str, repo: Path, rec: Path) -> str:
+    """A record's own README: its ``record_summary`` (the table of that record) and ``record_claims``."""
+    kind = next((k for k in RECORD_KINDS if rec.name.endswith("-" + k)), None)
+    if kind is None:
+        raise MarkersMissing(f"{rec.name} does not end with one of -{', -'.join(RECORD_KINDS)}")
+    readme_text = splice(readme_text, "record_summary", RECORD_KINDS[kind](repo, rec))
+    newest = _records().latest(repo, kind)
+    if newest is not None and newest.resolve() == rec.resolve():  # claims are judged on the newest of each kind
+        readme_text = splice(readme_text, "record_claims", render_claims(repo, only=newest))
+    return readme_text
+
+
+def record_readmes(repo: Path) -> list[Path]:
+    """records/*/README.md that carry a record_summary block (and hold results)."""
+    out = []
+    for readme in sorted(Path(repo).glob("records/*/README.md")):
+        kind = next((k for k in RECORD_KINDS if readme.parent.name.endswith("-" + k)), None)
+        if kind and BEGIN.format(name="record_summary") in readme.read_text() and \
+                any(readme.parent.glob(_records().RESULTS_GLOB[kind])):
+            out.append(readme)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Rewrite the generated tables in README.md.")
     ap.add_argument("--readme", default=str(REPO / "README.md"))
@@ -304,27 +335,32 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if the README is out of date; write nothing")
     ap.add_argument("--block", action="append", choices=sorted(BLOCKS), help="only this block (repeatable)")
     args = ap.parse_args(argv)
-    readme = Path(args.readme)
-    old = readme.read_text()
-    try:
-        new = render(old, Path(args.repo), args.block)
-    except MarkersMissing as e:
-        print(f"error: {readme}: {e}", file=sys.stderr)
-        return 2
-    if args.check:
-        if new != old:
-            diff = difflib.unified_diff(old.splitlines(), new.splitlines(), str(readme), "generated", lineterm="")
-            print("\n".join(diff))
-            print(f"{readme} is out of date: run python tools/render_readme_tables.py", file=sys.stderr)
-            return 1
-        print(f"{readme} is up to date")
-        return 0
-    if new != old:
-        readme.write_text(new)
-        print(f"rewrote {readme}")
-    else:
-        print(f"{readme} already up to date")
-    return 0
+    repo = Path(args.repo)
+    jobs = [(Path(args.readme), lambda text: render(text, repo, args.block))]
+    if not args.block:  # the records' own READMEs too
+        jobs += [(r, lambda text, rec=r.parent: render_record(text, repo, rec)) for r in record_readmes(repo)]
+    stale = 0
+    for readme, fn in jobs:
+        old = readme.read_text()
+        try:
+            new = fn(old)
+        except MarkersMissing as e:
+            print(f"error: {readme}: {e}", file=sys.stderr)
+            return 2
+        if args.check:
+            if new != old:
+                diff = difflib.unified_diff(old.splitlines(), new.splitlines(), str(readme), "generated", lineterm="")
+                print("\n".join(diff))
+                print(f"{readme} is out of date: run python tools/render_readme_tables.py", file=sys.stderr)
+                stale += 1
+            else:
+                print(f"{readme} is up to date")
+        elif new != old:
+            readme.write_text(new)
+            print(f"rewrote {readme}")
+        else:
+            print(f"{readme} already up to date")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

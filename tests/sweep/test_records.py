@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,31 @@ def test_render_records_blocks(tmp_path):
     assert "| hetero-inv | DGram | Stiefel |" in text and "0/3 |" in text
     assert "`bash records/2026-01-01-lr-transfer/reproduce.sh`" in text
     assert render.main(args + ["--check"]) == 0
+
+
+def test_render_writes_each_records_own_readme(tmp_path):
+    render = _load_renderer()
+    old = _transfer_record(tmp_path, {64: 12, 128: 12})
+    newer = tmp_path / "records" / "2026-02-01-lr-transfer"
+    shutil.copytree(old, newer)
+    (newer / "results.csv").write_text((old / "results.csv").read_text().replace(",64,", ",256,"))
+    abl = _ablation_record(tmp_path, {"rowcol": 4.80, "none": 4.95})
+    blocks = "<!-- BEGIN record_summary -->\nSTALE\n<!-- END record_summary -->\n\n" \
+             "<!-- BEGIN record_claims -->\nSTALE\n<!-- END record_claims -->\n"
+    for rec in (old, newer, abl):
+        (rec / "README.md").write_text("# what was run\n\n" + blocks)
+    main = tmp_path / "README.md"
+    main.write_text("".join(f"<!-- BEGIN {n} -->\n<!-- END {n} -->\n" for n in render.BLOCKS))
+    args = ["--readme", str(main), "--repo", str(tmp_path)]
+    assert render.main(args + ["--check"]) == 1  # stale record READMEs are reported
+    assert render.main(args) == 0 and render.main(args + ["--check"]) == 0
+    t_old, t_new, t_abl = ((r / "README.md").read_text() for r in (old, newer, abl))
+    assert "width 64" in t_old and "width 256" not in t_old  # each record shows its own table...
+    assert "width 256" in t_new and "width 64" not in t_new
+    assert "STALE" in t_old.split("record_claims")[1]  # ...and only the newest of a kind is judged
+    assert "MuonMD's best matrix LR" in t_new and "Gains" not in t_new
+    assert "MuonMD < Muon+sphere" in t_abl and "MuonMD's best matrix LR" not in t_abl
+    assert t_abl.startswith("# what was run")
 
 
 def test_render_without_records(tmp_path):
