@@ -133,7 +133,8 @@ GEOMETRY = {  # preset -> (attention, MLP), as in ALGORITHMS.md section 3.5
 }
 ABLATION_FLAGS = {"rowcol": "(defaults: --md-gains rowcol --md-gain-param softplus, no warmup)",
                   "row": "--md-gains row", "col": "--md-gains col", "none": "--md-gains none (Muon + sphere)",
-                  "direct": "--md-gain-param direct", "warmup-10pct": "--warmups 10%"}
+                  "direct": "--md-gain-param direct", "warmup-10pct": "--warmups 10%",
+                  "paper-lrs": "--lr 1e-3 --embedding-lr 3e-3 (the paper's fixed LRs)"}
 
 
 def _records():

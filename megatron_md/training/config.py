@@ -109,7 +109,12 @@ class OptimConfig:
         ["duplicated", "distributed", "blockwise"],
     )
     muon_extra_scale_factor: float = opt(1.0, "Extra multiplier on the Muon update.")
-    muon_fp32_matmul_prec: str = opt("medium", "fp32 matmul precision in NS.", ["medium", "high", "highest"])
+    muon_fp32_matmul_prec: str = opt(
+        "auto",
+        "fp32 matmul precision of megatron Muon's Newton-Schulz; 'medium' runs it in bf16. auto: medium on CUDA, "
+        "highest on CPU (bf16 matmuls there are ~100x slower than fp32 without native bf16 units).",
+        ["auto", "medium", "high", "highest"],
+    )
     matrix_lr: Optional[float] = opt(None, "MD: peak LR of hidden matrices (the angular step; default --lr).")
     embedding_lr: Optional[float] = opt(None, "MD: peak LR of the word embedding (default --lr).")
     gains_lr: float = opt(1e-3, "MD: peak LR of the row/column gains (Adam on raw gains).")

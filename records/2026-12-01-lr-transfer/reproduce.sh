@@ -9,10 +9,21 @@ OUT=${OUT:-runs/records/2026-12-01-lr-transfer}
 export OMP_NUM_THREADS=1
 sweep() {
   .venv/bin/megatron-md lr-sweep --config examples/lr_transfer/dense_cpu.yaml --corpus runs/records_data \
-    --out "$OUT" --optimizers adamw,muon,muon_md --log-interval 5 --no-plot "$@"
+    --out "$OUT" --log-interval 5 --no-plot "$@"
 }
-sweep --widths 64,128 --seeds 1,2 --k-range adamw=8:10 --k-range muon=8:10 --k-range muon_md=11:13 --extend-edges 3 &
+# MuonMD's other LRs, fixed at every width: 10x the paper's 1e-3 / 3e-3, which are tuned for 50k steps at 181M
+# and leave MuonMD ~0.7 nats behind after 300 steps here (the md-ablations record's paper-lrs variant).
+MDLR=(--lr 0.01 --embedding-lr 0.03)
+# megatron's Muon in fp32 Newton-Schulz (bf16 there is ~100x slower on CPU; the same as the CPU default now)
+NS32=(--muon-fp32-matmul-prec highest)
+{
+  sweep --widths 64,128 --seeds 1,2 --optimizers muon_md --k-range muon_md=10:12 --extend-edges 3 -- "${MDLR[@]}"
+  sweep --widths 64,128 --seeds 1,2 --optimizers adamw --k-range adamw=8:10 --extend-edges 3
+  sweep --widths 64,128 --seeds 1,2 --optimizers muon --k-range muon=8:10 --extend-edges 3 -- "${NS32[@]}"
+} &
 # width 256: one seed (a cell takes 3-6 minutes on one core)
-sweep --widths 256 --seeds 1 --k-range adamw=7:9 --k-range muon=8:10 --k-range muon_md=11:13 --extend-edges 2
+sweep --widths 256 --seeds 1 --optimizers muon_md --k-range muon_md=10:12 --extend-edges 2 -- "${MDLR[@]}"
+sweep --widths 256 --seeds 1 --optimizers adamw --k-range adamw=7:9 --extend-edges 2
+sweep --widths 256 --seeds 1 --optimizers muon --k-range muon=8:10 --extend-edges 2 -- "${NS32[@]}"
 wait
 .venv/bin/python tools/plot_lr_transfer.py "$OUT/results.csv"

@@ -72,3 +72,16 @@ def test_negative_named_switches_turn_on():
     cfg = resolve("tiny-dense", path, cli)
     assert cfg.checkpoint.no_load_optim is True and cfg.checkpoint.no_load_rng is True
     assert resolve("tiny-dense", *_parse([])).checkpoint.no_load_optim is False
+
+
+def test_muon_newton_schulz_precision_is_fp32_on_cpu_unless_set():
+    """megatron's Muon default ('medium') runs Newton-Schulz in bf16: ~100x slower than fp32 on a CPU
+    without bf16 units, so 'auto' picks fp32 there and keeps bf16 on GPUs; an explicit value wins."""
+    import torch
+
+    from megatron_md.training.trainer import ns_matmul_precision
+
+    assert resolve("tiny-dense", None, {}).optimizer.muon_fp32_matmul_prec == "auto"
+    assert ns_matmul_precision("auto", torch.device("cpu")) == "highest"
+    assert ns_matmul_precision("auto", torch.device("cuda", 0)) == "medium"
+    assert ns_matmul_precision("medium", torch.device("cpu")) == "medium"
