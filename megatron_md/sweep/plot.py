@@ -90,6 +90,23 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
     return out_png
 
 
+OFF_SCALE_NATS = 0.2  # an ablation variant this far above the best is named in the legend, not drawn
+
+
+def off_scale(curves_pts: list[list[tuple]]) -> tuple[set[int], tuple[float, float]]:
+    """Which curves to leave off the axes, and the y-range for the rest.
+
+    A variant far behind the others (e.g. other fixed LRs) would flatten every other curve, so one whose
+    best loss is OFF_SCALE_NATS above the overall best is only named in the legend.
+    """
+    bests = [min(p[1] for p in pts) for pts in curves_pts]
+    floor = min(bests, default=0.0)
+    off = {j for j, b in enumerate(bests) if b - floor >= OFF_SCALE_NATS}
+    spread = max((max(p[1] for p in pts) - bests[j] for j, pts in enumerate(curves_pts) if j not in off), default=0.0)
+    span = max(0.05, 3 * spread)
+    return off, (floor - 0.1 * span, floor + span)
+
+
 def plot_ablations(record: Path, out_png: Path) -> Path:
     """One panel: final loss vs matrix LR, one curve per MuonMD variant (``variants/<name>/results.csv``)."""
     import matplotlib
@@ -103,16 +120,23 @@ def plot_ablations(record: Path, out_png: Path) -> Path:
     paths = sorted(Path(record).glob("variants/*/results.csv"))
     if not paths:
         raise ValueError(f"{record}: no variants/*/results.csv")
+    found = []
     for i, path in enumerate(paths):
         for _, (kind, pts) in curves(read_csv(path)).items():
             good = [p for p in pts if math.isfinite(p[1])]
-            if not good:
-                continue
-            colour = plt.get_cmap("tab10")(i % 10)
-            ax.plot([p[0] for p in good], [p[1] for p in good], marker="o", ms=3.5, color=colour,
-                    label=path.parent.name)
-            best = min(good, key=lambda p: p[1])
-            ax.plot([best[0]], [best[1]], marker="*", ms=13, color=colour, mec="black", mew=0.7, linestyle="none")
+            if good:
+                found.append((i, path.parent.name, good))
+    off, (lo, hi) = off_scale([g for _, _, g in found])
+    for j, (i, name, good) in enumerate(found):
+        colour = plt.get_cmap("tab10")(i % 10)
+        best = min(good, key=lambda p: p[1])
+        if j in off:
+            ax.plot([], [], marker="o", color=colour, label=f"{name} (off scale: best {best[1]:.3f})")
+            continue
+        ax.plot([p[0] for p in good], [p[1] for p in good], marker="o", ms=3.5, color=colour, label=name)
+        ax.plot([best[0]], [best[1]], marker="*", ms=13, color=colour, mec="black", mew=0.7, linestyle="none")
+    if found:
+        ax.set_ylim(lo, hi)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("matrix LR (log2 axis)")
     ax.set_ylabel(f"final {kind} loss (mean over seeds)")

@@ -171,6 +171,20 @@ def test_manifold_summaries_and_claims(tmp_path):
     assert claims["DGram on attention diverges"].verdict == R.HELD
 
 
+def test_ablation_plot_leaves_a_far_variant_off_the_axes(tmp_path):
+    from megatron_md.sweep.plot import OFF_SCALE_NATS, off_scale, plot_ablations
+
+    near = [(0.01, 5.01, 0, 0, 2), (0.02, 5.00, 0, 0, 2), (0.04, 5.02, 0, 0, 2)]
+    warm = [(0.01, 5.03, 0, 0, 2), (0.02, 5.025, 0, 0, 2)]
+    far = [(0.01, 5.00 + OFF_SCALE_NATS + 0.5, 0, 0, 2)]
+    off, (lo, hi) = off_scale([near, warm, far])
+    assert off == {2} and lo < 5.00 and 5.03 < hi < 5.00 + OFF_SCALE_NATS  # the near curves fill the axes
+    assert off_scale([near])[0] == set()
+    rec = _ablation_record(tmp_path, {"rowcol": 4.80, "none": 4.81, "paper-lrs": 5.60})
+    png = plot_ablations(rec, tmp_path / "a.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_spike_detection():
     assert not R.spike([(10, 6.0), (50, 5.0), (100, 5.5)], 100)
     assert R.spike([(10, 6.0), (50, 5.0), (100, 6.1)], 100)
