@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Rerun this record into runs/records/2026-12-01-lr-transfer (OUT=... to change; records/ is never written).
-# Resumable: rerun to continue. About 2.5 core-hours on CPU; the two width groups ran in parallel, one core each.
+# Resumable: rerun to continue. About 1.7 core-hours on CPU (102 core-minutes measured, two processes sharing
+# 2 cores); the two width groups run in parallel, one core each.
 # Each curve starts as three grid points around the optimum a probe found and --extend-edges walks it
 # outwards until its optimum is strictly inside.
 set -euo pipefail

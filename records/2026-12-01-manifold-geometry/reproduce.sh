@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rerun this record into runs/records/2026-12-01-manifold-geometry/lr0.1/<preset> (OUT=... to change).
-# Resumable. About 50 core-minutes on CPU. Seeds are added one at a time across all presets, so a
-# run cut short still compares every preset.
+# Resumable. About 35 core-minutes on CPU (measured, two processes sharing 2 cores). Seeds are added one
+# at a time across all presets, so a run cut short still compares every preset.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/records/2026-12-01-manifold-geometry}

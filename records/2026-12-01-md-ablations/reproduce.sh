@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rerun this record into runs/records/2026-12-01-md-ablations/variants/<variant> (OUT=... to change).
-# Resumable. About 8 core-minutes per variant on CPU (width 64).
+# Resumable. About 6-10 core-minutes per variant on CPU (width 64; measured, two processes sharing 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/records/2026-12-01-md-ablations}
