@@ -285,8 +285,7 @@ class SweepSpec:
                 continue  # an explicit LR off the ladder: nowhere defined to step to
             opt, width, wu, wd = key
             new += [Cell(opt, width, lr_of_k(k + s), seed, wu, wd, self.steps) for s in steps for seed in self.seeds]
-        known = {c.name for c in self.cells()}
-        new = [c for c in new if c.name not in known]
+        new = [c for c in new if c.name not in mine]
         self.added += new
         return new
 
