@@ -306,9 +306,14 @@ RECORD_KINDS = {"lr-transfer": render_lr_transfer, "md-ablations": render_md_abl
                 "manifold-geometry": render_manifold}
 
 
+def record_kind(name: str):
+    """The kind of a record directory, from the end of its name (None if it is none of them)."""
+    return next((k for k in RECORD_KINDS if name.endswith("-" + k)), None)
+
+
 def render_record(readme_text: str, repo: Path, rec: Path) -> str:
     """A record's own README: its ``record_summary`` (the table of that record) and ``record_claims``."""
-    kind = next((k for k in RECORD_KINDS if rec.name.endswith("-" + k)), None)
+    kind = record_kind(rec.name)
     if kind is None:
         raise MarkersMissing(f"{rec.name} does not end with one of -{', -'.join(RECORD_KINDS)}")
     readme_text = splice(readme_text, "record_summary", RECORD_KINDS[kind](repo, rec))
@@ -322,7 +327,7 @@ def record_readmes(repo: Path) -> list[Path]:
     """records/*/README.md that carry a record_summary block (and hold results)."""
     out = []
     for readme in sorted(Path(repo).glob("records/*/README.md")):
-        kind = next((k for k in RECORD_KINDS if readme.parent.name.endswith("-" + k)), None)
+        kind = record_kind(readme.parent.name)
         if kind and BEGIN.format(name="record_summary") in readme.read_text() and \
                 any(readme.parent.glob(_records().RESULTS_GLOB[kind])):
             out.append(readme)
