@@ -269,12 +269,29 @@ def render_claims(repo: Path, only: Path | None = None) -> str:
     return "\n".join(lines)
 
 
+def with_figures(render_table: Callable[[Path], str], kind: str, pattern: str, alt: str) -> Callable[[Path], str]:
+    """``render_table`` followed by the newest record's figures matching ``pattern``, linked from the
+    repository root (a record's own README links its figures itself)."""
+    def block(repo: Path) -> str:
+        rec = _records().latest(repo, kind)
+        figures = sorted(rec.glob(pattern)) if rec is not None else []
+
+        def link(f: Path) -> str:
+            label = f" ({f.stem.partition('_')[2] or f.stem})" if len(figures) > 1 else ""  # spectra_lr0.1 -> lr0.1
+            return f"![{alt}{label}]({f.relative_to(repo).as_posix()})"
+        return "\n\n".join([render_table(repo), *map(link, figures)])
+    return block
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "optimizer_step": render_optimizer_step,
     "records_claims": render_claims,
-    "records_lr_transfer": render_lr_transfer,
-    "records_md_ablations": render_md_ablations,
-    "records_manifold": render_manifold,
+    "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",
+                                        "final loss vs LR per width, optimum marked"),
+    "records_md_ablations": with_figures(render_md_ablations, "md-ablations", "ablations.png",
+                                         "final loss vs matrix LR per MuonMD variant"),
+    "records_manifold": with_figures(render_manifold, "manifold-geometry", "spectra_*.png",
+                                     "attention and MLP σ_max, max attention logit"),
 }
 
 

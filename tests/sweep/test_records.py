@@ -194,8 +194,8 @@ def test_spike_detection():
 
 def test_render_records_blocks(tmp_path):
     render = _load_renderer()
-    _transfer_record(tmp_path, {64: 12, 128: 12})
-    _ablation_record(tmp_path, {"rowcol": 4.80, "none": 4.95})
+    (_transfer_record(tmp_path, {64: 12, 128: 12}) / "lr_transfer.png").write_bytes(b"png")
+    _ablation_record(tmp_path, {"rowcol": 4.80, "none": 4.95})  # no plot drawn: no link
     _manifold_record(tmp_path, spike=False)
     names = ["records_claims", "records_lr_transfer", "records_md_ablations", "records_manifold"]
     readme = tmp_path / "README.md"
@@ -208,6 +208,8 @@ def test_render_records_blocks(tmp_path):
     assert "| none | `--md-gains none (Muon + sphere)` | 0.064 (k=12) | 4.9500 ± 0.0007 | +0.1500 |" in text
     assert "| hetero-inv | DGram | Stiefel |" in text and "0/3 |" in text
     assert "`bash records/2026-01-01-lr-transfer/reproduce.sh`" in text
+    assert "optimum marked](records/2026-01-01-lr-transfer/lr_transfer.png)" in text
+    assert "ablations.png)" not in text
     assert render.main(args + ["--check"]) == 0
 
 
