@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Rerun this record into runs/records/2026-12-01-lr-transfer (OUT=... to change; records/ is never written).
-# Resumable: rerun to continue. About 1.7 core-hours on CPU (102 core-minutes measured, two processes sharing
-# 2 cores); the two width groups run in parallel, one core each.
+# Resumable: rerun to continue. About 6.6 core-hours on CPU (395 core-minutes measured, 226 of them at width
+# 512; two processes sharing 2 cores); the width groups run two at a time, one core each.
 # Each curve starts as three grid points around the optimum a probe found and --extend-edges walks it
-# outwards until its optimum is strictly inside.
+# outwards until its optimum is strictly inside (or runs out of steps).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/records/2026-12-01-lr-transfer}
@@ -22,9 +22,16 @@ NS32=(--muon-fp32-matmul-prec highest)
   sweep --widths 64,128 --seeds 1,2 --optimizers adamw --k-range adamw=8:10 --extend-edges 3
   sweep --widths 64,128 --seeds 1,2 --optimizers muon --k-range muon=8:10 --extend-edges 3 -- "${NS32[@]}"
 } &
-# width 256: one seed (a cell takes 3-6 minutes on one core)
-sweep --widths 256 --seeds 1 --optimizers muon_md --k-range muon_md=10:12 --extend-edges 2 -- "${MDLR[@]}"
-sweep --widths 256 --seeds 1 --optimizers adamw --k-range adamw=7:9 --extend-edges 2
-sweep --widths 256 --seeds 1 --optimizers muon --k-range muon=8:10 --extend-edges 2 -- "${NS32[@]}"
+# width 256: seeds 1 and 2 (a cell takes 3-6 minutes on one core)
+sweep --widths 256 --seeds 1,2 --optimizers muon_md --k-range muon_md=10:12 --extend-edges 2 -- "${MDLR[@]}"
+sweep --widths 256 --seeds 1,2 --optimizers adamw --k-range adamw=7:9 --extend-edges 2
+sweep --widths 256 --seeds 1,2 --optimizers muon --k-range muon=8:10 --extend-edges 2 -- "${NS32[@]}"
+wait
+# width 512: seed 1 only (a cell takes 7-23 minutes on one core)
+{
+  sweep --widths 512 --seeds 1 --optimizers muon_md --k-range muon_md=10:12 --extend-edges 2 -- "${MDLR[@]}"
+  sweep --widths 512 --seeds 1 --optimizers muon --k-range muon=7:9 --extend-edges 4 -- "${NS32[@]}"
+} &
+sweep --widths 512 --seeds 1 --optimizers adamw --k-range adamw=7:9 --extend-edges 2
 wait
 .venv/bin/python tools/plot_lr_transfer.py "$OUT/results.csv"
