@@ -271,11 +271,12 @@ class SweepSpec:
         (every seed) are added to :meth:`cells` and returned; an empty list means every optimum is
         inside. A curve whose every LR diverged is left alone (no direction to go).
         """
-        from megatron_md.sweep.results import curves
+        from megatron_md.sweep.results import curves, full_seed_points
 
         mine = {c.name for c in self.cells()}
         new = []
         for key, (_, pts) in sorted(curves([r for r in rows if r.get("cell") in mine]).items()):
+            pts = full_seed_points(pts)
             best = min(range(len(pts)), key=lambda i: pts[i][1])
             if not math.isfinite(pts[best][1]):
                 continue

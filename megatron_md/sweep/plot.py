@@ -1,5 +1,6 @@
 """The LR-transfer figure: one panel per optimizer, final loss vs LR (log2 axis), one curve per width
-(mean over seeds, min-max band), each width's optimum starred. Flat optima across widths = transfer.
+(mean over seeds, min-max band), each width's optimum starred (chosen among the LRs every seed ran; the
+others are hollow). Flat optima across widths = transfer.
 
     python tools/plot_lr_transfer.py OUT/results.csv --out OUT/lr_transfer.png
 """
@@ -20,7 +21,7 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_md.sweep.results import curves, read_csv
+    from megatron_md.sweep.results import curves, full_seed_points, read_csv
 
     rows = read_csv(results_csv)
     if not rows:
@@ -51,7 +52,11 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
                 ax.plot(x, y, style, marker="o", ms=3.5, color=colour[width], label=label)
                 if any(p[4] > 1 for p in good):
                     ax.fill_between(x, [p[2] for p in good], [p[3] for p in good], color=colour[width], alpha=0.18)
-                best = min(good, key=lambda p: p[1])
+                few = [p for p in good if p not in full_seed_points(pts)]
+                if few:  # LRs that not every seed ran: hollow, and never the optimum
+                    ax.plot([p[0] for p in few], [p[1] for p in few], "o", ms=6, mfc="white", color=colour[width],
+                            linestyle="none")
+                best = min([p for p in full_seed_points(pts) if math.isfinite(p[1])] or good, key=lambda p: p[1])
                 ax.plot([best[0]], [best[1]], marker="*", ms=14, color=colour[width], mec="black", mew=0.7,
                         linestyle="none")
             bad = [p[0] for p in pts if not math.isfinite(p[1])]
@@ -78,7 +83,8 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
             top = min(hi, q + 2.0 * max(q - lo, 1e-3))
             ax.set_ylim(lo - 0.05 * max(top - lo, 1e-3), top + 0.05 * max(top - lo, 1e-3))
         ax.legend(fontsize=8)
-    fig.suptitle("LR transfer across width (* = optimum per width; x = diverged)")
+    fig.suptitle("LR transfer across width (* = optimum per width, among the LRs every seed ran (hollow: not all); "
+                 "x = diverged)")
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)

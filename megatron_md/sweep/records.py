@@ -86,7 +86,8 @@ def best_per_curve(rows: list[dict]) -> dict[tuple, Best]:
         by_lr = defaultdict(list)
         for r in rs:
             by_lr[r["lr"]].append(loss_of(r, kind))
-        lrs = sorted(by_lr)
+        full = max(len(v) for v in by_lr.values())
+        lrs = sorted(lr for lr, v in by_lr.items() if len(v) == full)  # see results.full_seed_points
         means = {lr: (sum(v) / len(v) if all(math.isfinite(x) for x in v) else math.inf) for lr, v in by_lr.items()}
         lr = min(lrs, key=lambda x: means[x])
         found = math.isfinite(means[lr])

@@ -114,10 +114,22 @@ def curves(rows: list[dict]) -> dict:
     return out
 
 
+def full_seed_points(pts: list[tuple]) -> list[tuple]:
+    """The points of a curve that every one of its seeds ran; optima are chosen among these only.
+
+    A seed's offset is shared across LRs (at width 512 seed 2 lost 0.01-0.02 to seed 1 at every LR), so a
+    mean over fewer seeds is not comparable with one over all of them: an LR that only the better seed
+    ran would win on the seed, not the LR.
+    """
+    n = max((p[4] for p in pts), default=0)
+    return [p for p in pts if p[4] == n]
+
+
 def optima(rows: list[dict]) -> list[dict]:
     out = []
     for key, (kind, pts) in sorted(curves(rows).items()):
         opt, width, warmup, wd = key
+        pts = full_seed_points(pts)
         lrs = [p[0] for p in pts]
         best = min(pts, key=lambda p: p[1])
         found = math.isfinite(best[1])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_md.sweep import records as R
+from megatron_md.sweep import results
 from megatron_md.sweep.results import read_csv
 from megatron_md.sweep.grid import lr_of_k
 from megatron_md.sweep.results import RESULT_COLUMNS, write_csv
@@ -41,6 +42,19 @@ def _bowl(opt, width, k_best, base, ks, seeds=(1, 2), noise=0.001, curvature=0.0
 
 def _best(mean, std, n=2):
     return R.Best("x", 64, 0, 0.0, 1e-3, 0, mean, std, n, True, 5, "eval")
+
+
+def test_optimum_is_chosen_among_the_lrs_every_seed_ran():
+    # seed 2 runs 0.02 higher at every LR and only around k=5; seed 1 alone also ran k=3 and k=8, where a
+    # one-seed mean (no seed-2 offset in it) would beat the two-seed means
+    rows = [r for r in _bowl("muon", 512, 5, 5.0, [4, 5, 6], noise=0.04)]
+    rows += [_row("muon", 512, k, 1, 4.975) for k in (3, 8)]
+    best = R.best_per_curve(rows)[("muon", 512, 0, 0.0)]
+    assert best.k == 5 and best.n == 2 and best.inside and best.lrs == [lr_of_k(k) for k in (4, 5, 6)]
+    (opt,) = results.optima(rows)
+    assert opt["best_k"] == 5 and opt["inside_grid"] and opt["seeds"] == 2
+    # with every seed at every LR the rule changes nothing: the lowest mean wins
+    assert R.best_per_curve(rows[:6])[("muon", 512, 0, 0.0)].k == 5
 
 
 def test_compare_uses_two_standard_errors():
