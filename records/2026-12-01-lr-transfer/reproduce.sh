@@ -27,11 +27,17 @@ sweep --widths 256 --seeds 1,2 --optimizers muon_md --k-range muon_md=10:12 --ex
 sweep --widths 256 --seeds 1,2 --optimizers adamw --k-range adamw=7:9 --extend-edges 2
 sweep --widths 256 --seeds 1,2 --optimizers muon --k-range muon=8:10 --extend-edges 2 -- "${NS32[@]}"
 wait
-# width 512: seed 1 only (a cell takes 7-23 minutes on one core)
+# width 512 (a cell takes 7-23 minutes on one core): seed 1 walks the ladder from a probe's optimum; seed 2
+# runs the three LRs around seed 1's optimum, and walks on by itself if its own optimum is on an edge
 {
   sweep --widths 512 --seeds 1 --optimizers muon_md --k-range muon_md=10:12 --extend-edges 2 -- "${MDLR[@]}"
-  sweep --widths 512 --seeds 1 --optimizers muon --k-range muon=7:9 --extend-edges 4 -- "${NS32[@]}"
+  sweep --widths 512 --seeds 2 --optimizers muon_md --k-range muon_md=10:12 --extend-edges 2 -- "${MDLR[@]}"
+  sweep --widths 512 --seeds 2 --optimizers adamw --k-range adamw=5:7 --extend-edges 3
 } &
 sweep --widths 512 --seeds 1 --optimizers adamw --k-range adamw=7:9 --extend-edges 2
+# seed 2 walked AdamW down to k=2; seed 1 follows, so both seeds cover k=2..7
+sweep --widths 512 --seeds 1 --optimizers adamw --k-range adamw=2:4
+sweep --widths 512 --seeds 1 --optimizers muon --k-range muon=7:9 --extend-edges 5 -- "${NS32[@]}"
+sweep --widths 512 --seeds 2 --optimizers muon --k-range muon=2:4 --extend-edges 2 -- "${NS32[@]}"
 wait
 .venv/bin/python tools/plot_lr_transfer.py "$OUT/results.csv"
