@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rerun this record into runs/records/2026-12-01-lr-transfer (OUT=... to change; records/ is never written).
-# Resumable: rerun to continue. About 6.6 core-hours on CPU (395 core-minutes measured, 226 of them at width
-# 512; two processes sharing 2 cores); the width groups run two at a time, one core each.
+# Resumable: rerun to continue. About 10.7 core-hours on CPU (640 core-minutes measured, 492 of them at width
+# 512; mostly two processes sharing 2 cores, some cells three); the width groups run two at a time.
 # Each curve starts as three grid points around the optimum a probe found and --extend-edges walks it
 # outwards until its optimum is strictly inside (or runs out of steps).
 set -euo pipefail
