@@ -52,11 +52,12 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
                 ax.plot(x, y, style, marker="o", ms=3.5, color=colour[width], label=label)
                 if any(p[4] > 1 for p in good):
                     ax.fill_between(x, [p[2] for p in good], [p[3] for p in good], color=colour[width], alpha=0.18)
-                few = [p for p in good if p not in full_seed_points(pts)]
+                full = [p for p in full_seed_points(pts) if math.isfinite(p[1])]
+                few = [p for p in good if p not in full]
                 if few:  # LRs that not every seed ran: hollow, and never the optimum
                     ax.plot([p[0] for p in few], [p[1] for p in few], "o", ms=6, mfc="white", color=colour[width],
                             linestyle="none")
-                best = min([p for p in full_seed_points(pts) if math.isfinite(p[1])] or good, key=lambda p: p[1])
+                best = min(full or good, key=lambda p: p[1])
                 ax.plot([best[0]], [best[1]], marker="*", ms=14, color=colour[width], mec="black", mew=0.7,
                         linestyle="none")
             bad = [p[0] for p in pts if not math.isfinite(p[1])]

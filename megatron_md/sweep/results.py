@@ -117,7 +117,7 @@ def curves(rows: list[dict]) -> dict:
 def full_seed_points(pts: list[tuple]) -> list[tuple]:
     """The points of a curve that every one of its seeds ran; optima are chosen among these only.
 
-    A seed's offset is shared across LRs (at width 512 seed 2 lost 0.01-0.02 to seed 1 at every LR), so a
+    A seed's offset is shared across LRs (at width 512 seed 2 lost 0.01-0.03 to seed 1 at every LR), so a
     mean over fewer seeds is not comparable with one over all of them: an LR that only the better seed
     ran would win on the seed, not the LR.
     """

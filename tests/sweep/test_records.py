@@ -47,7 +47,7 @@ def _best(mean, std, n=2):
 def test_optimum_is_chosen_among_the_lrs_every_seed_ran():
     # seed 2 runs 0.02 higher at every LR and only around k=5; seed 1 alone also ran k=3 and k=8, where a
     # one-seed mean (no seed-2 offset in it) would beat the two-seed means
-    rows = [r for r in _bowl("muon", 512, 5, 5.0, [4, 5, 6], noise=0.04)]
+    rows = _bowl("muon", 512, 5, 5.0, [4, 5, 6], noise=0.04)
     rows += [_row("muon", 512, k, 1, 4.975) for k in (3, 8)]
     best = R.best_per_curve(rows)[("muon", 512, 0, 0.0)]
     assert best.k == 5 and best.n == 2 and best.inside and best.lrs == [lr_of_k(k) for k in (4, 5, 6)]
