@@ -15,6 +15,7 @@ import re
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.utils import unwrap_model
 
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
 
@@ -25,9 +26,7 @@ _EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
 def tag_md_params(model) -> None:
     """Give every parameter a layout-independent ``md_key`` (global layer, global expert)."""
-    from megatron_md.training.checkpointing import unwrap
-
-    gpt = unwrap(model)
+    gpt = unwrap_model(model)
     layers = getattr(getattr(gpt, "decoder", None), "layers", [])
     ep_rank = ps.get_expert_model_parallel_rank()
     for name, p in gpt.named_parameters():

@@ -95,7 +95,7 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_md.training.batches import micro_batches
-    from megatron_md.training.checkpointing import unwrap
+    from megatron.core.utils import unwrap_model as unwrap
     from megatron_md.training.data import build_gpt_datasets
     from megatron_md.training.step import make_forward_step
     from megatron_md.training.trainer import (build_optimizer, build_wrapped_model, global_batch_size,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.utils import unwrap_model as unwrap
 from megatron_md.training.preemption import maybe_delay_save
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -40,12 +41,6 @@ def latest_iteration(root: str | Path) -> int | None:
     if not text.isdigit():
         raise ValueError(f"{f}: expected an iteration number, found {text!r}")
     return int(text)
-
-
-def unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _rng_state() -> dict:

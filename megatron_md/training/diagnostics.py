@@ -108,7 +108,7 @@ class AttentionProbe:
 def weight_diagnostics(model, optimizer) -> dict[str, float]:
     """This rank's share of the matrix statistics (TP rank 0 of each group reports)."""
     from megatron_md.mcore.md_checkpoint import md_optimizers
-    from megatron_md.training.checkpointing import unwrap
+    from megatron.core.utils import unwrap_model as unwrap
 
     gains = {}
     for opt in md_optimizers(optimizer):
