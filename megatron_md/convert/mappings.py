@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_md.mcore.naming import expert_names
+
 
 class ConversionError(ValueError):
     """The model (or HF checkpoint) has a feature the target architecture cannot reproduce."""
@@ -306,11 +308,17 @@ def _moe_to_hf(fam: Family, m, sd: dict, s: str, t: str, out: dict, out_scale: f
     out[block + "gate.weight"] = _own(sd[s + "mlp.router.weight"])
     names = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")
     for e in range(m.num_experts):
-        src = s + f"mlp.experts.local_experts.{e}."
-        gate, up = torch.chunk(sd[src + "linear_fc1.weight"], 2, dim=0)
+        gate, up = torch.chunk(_expert(sd, s, e, "linear_fc1"), 2, dim=0)
         dst = block + f"experts.{e}."
         out[dst + f"{names[0]}.weight"], out[dst + f"{names[1]}.weight"] = _own(gate), _own(up)
-        out[dst + f"{names[2]}.weight"] = _scaled(sd[src + "linear_fc2.weight"], out_scale)
+        out[dst + f"{names[2]}.weight"] = _scaled(_expert(sd, s, e, "linear_fc2"), out_scale)
+
+
+def _expert(sd: dict, s: str, e: int, fc: str) -> torch.Tensor:
+    """Expert ``e``'s matrix (TP1, EP1): SequentialMLP's ``local_experts.{e}.{fc}.weight`` or TEGroupedMLP's
+    ``{fc}.weight{e}`` (``mcore/naming.py``)."""
+    sequential, grouped = expert_names(s, e, fc)
+    return sd[grouped] if sequential not in sd and grouped in sd else sd[sequential]
 
 
 def _to_gpt2(m, sd: dict) -> dict:

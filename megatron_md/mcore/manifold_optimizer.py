@@ -21,7 +21,12 @@ from megatron.core.optimizer.emerging_optimizers import (
 )
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
-from megatron_md.mcore.md_optimizer import MDOptimizerConfig, MegatronMD, md_param_overrides
+from megatron_md.mcore.md_optimizer import (
+    MDOptimizerConfig,
+    MegatronMD,
+    md_param_overrides,
+    refuse_packed_experts,
+)
 from megatron_md.optim.manifold_muon import ManifoldHyperParams, init_state
 from megatron_md.optim.policy import (
     MANIFOLD_GEOMETRIES,
@@ -226,13 +231,18 @@ def apply_switches(policy: AutoPolicy, optimizer) -> None:
                 )
 
 
+def _config_to_kwargs(config, model_chunks, pg_collection):
+    refuse_packed_experts(model_chunks, "manifold_muon")
+    return {"config": config, "pg_collection": pg_collection}
+
+
 def register(config: ManifoldOptimizerConfig) -> GeometryPolicy:
     policy = build_policy(config)
     _, to_adamw = _routing(policy)
     _EMERGING_OPTIMIZERS["manifold_muon"] = EmergingOptimizerEntry(
         optimizer_cls=MegatronManifoldMuon,
         init_state_fn=_eopt_init_state_fn,
-        config_to_kwargs=lambda cfg, chunks, pg: {"config": cfg, "pg_collection": pg},
+        config_to_kwargs=_config_to_kwargs,
         default_param_overrides={
             ParamKey(predicate=ParamPredicate(name="mm_adamw", fn=to_adamw)): {"optimizer": "adam"}
         },

@@ -10,37 +10,33 @@ so the layout does not depend on how TP interleaves the two halves.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.utils import unwrap_model
 
+from megatron_md.mcore import naming
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
 
 DUAL_KEYS = ("dual", "dual_q", "dual_k", "dual_v")
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
 
 def tag_md_params(model) -> None:
-    """Give every parameter a layout-independent ``md_key`` (global layer, global expert)."""
+    """Give every parameter a layout-independent ``md_key`` (global layer, global expert).
+
+    SequentialMLP's ``local_experts.{n}`` and TEGroupedMLP's ``linear_fc{1,2}.weight{n}`` both
+    become ``local_experts.{ep_rank * local + n}.linear_fc{1,2}.weight`` (``mcore/naming.py``).
+    """
     gpt = unwrap_model(model)
     layers = getattr(getattr(gpt, "decoder", None), "layers", [])
     ep_rank = ps.get_expert_model_parallel_rank()
+    experts = getattr(gpt.config, "num_moe_experts", None)
+    local = experts // ps.get_expert_model_parallel_world_size() if experts else None
     for name, p in gpt.named_parameters():
-        key = name
-        m = _LAYER.search(key)
-        if m:
-            local = int(m.group(1))
-            key = key.replace(m.group(0), f"decoder.layers.{layers[local].layer_number - 1}.", 1)
-        e = _EXPERT.search(key)
-        if e:
-            experts = gpt.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
-            key = key.replace(e.group(0), f"local_experts.{ep_rank * experts + int(e.group(1))}.", 1)
-        p.md_key = key
-        p.md_swiglu = bool(gpt.config.gated_linear_unit and name.endswith("linear_fc1.weight"))
+        p.md_key = naming.canonical_name(
+            name, global_layer=lambda i: layers[i].layer_number - 1, ep_rank=ep_rank, num_local_experts=local
+        )
+        p.md_swiglu = naming.is_swiglu_fc1(p.md_key, gpt.config.gated_linear_unit)
 
 
 def _children(o) -> list:

@@ -27,6 +27,7 @@ from megatron.core.optimizer.emerging_optimizers import (
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.tensor_parallel import layers as tp_layers
 
+from megatron_md.mcore import naming
 from megatron_md.optim.md import AdamBase, MDHyperParams, MuonBase
 from megatron_md.optim.muon_md import MDOptimizer
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
@@ -142,7 +143,16 @@ class MegatronMD(MDOptimizer):
             self.state[p].update(gains)
 
 
+def refuse_packed_experts(model_chunks, optimizer: str) -> None:
+    """MD keeps state per expert matrix: refuse a layout that packs a layer's experts into one parameter
+    (megatron's legacy GroupedMLP, TE's single grouped weight), before training starts."""
+    packed = naming.packed_experts(n for chunk in model_chunks or () for n, _ in chunk.named_parameters())
+    if packed:
+        raise ValueError(naming.packed_experts_error(optimizer, packed))
+
+
 def _config_to_kwargs(config, model_chunks, pg_collection):
+    refuse_packed_experts(model_chunks, "adam_md" if config.md_base == "adam" else "muon_md")
     return {"config": config, "pg_collection": pg_collection}
 
 

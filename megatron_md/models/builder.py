@@ -3,12 +3,14 @@
 Transformer Engine's layer spec is used when TE imports (or when forced with
 ``--transformer-impl transformer_engine``); otherwise megatron-core's local spec, with
 ``TorchNorm`` in place of megatron's torch norm so sequence parallelism (needed by MoE+TP)
-works without TE or Apex.
+works without TE or Apex. MoE experts are TE's grouped-GEMM ``TEGroupedMLP`` when TE builds the
+layers (unless ``--no-moe-grouped-gemm``), megatron's ``SequentialMLP`` otherwise.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -55,14 +57,41 @@ def use_transformer_engine(impl: str, cpu: bool) -> bool:
     return transformer_engine_available()
 
 
+def moe_grouped_gemm(model_cfg, use_te: bool) -> bool:
+    """Whether routed experts use grouped GEMM: unset means on exactly when TE builds the layers.
+
+    In megatron-core 0.19 grouped GEMM means TE's ``TEGroupedMLP`` (one ``weight{n}`` per local
+    expert); the legacy non-TE ``GroupedMLP`` is gone and the local spec builds ``SequentialMLP``
+    either way, so ``--moe-grouped-gemm`` without TE is turned off, with a warning.
+    """
+    m = model_cfg
+    if not m.num_experts or m.moe_grouped_gemm is False:
+        return False
+    if not use_te:
+        if m.moe_grouped_gemm:
+            warnings.warn(
+                "--moe-grouped-gemm needs Transformer Engine (TEGroupedMLP); without it megatron-core builds "
+                "SequentialMLP experts, so grouped GEMM is off. Install the 'gpu' extra, or pass "
+                "--no-moe-grouped-gemm to silence this.",
+                stacklevel=2,
+            )
+        return False
+    return True
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     multiple = divisible_by * tp
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def transformer_config(model_cfg, parallel_cfg, *, bf16: bool, cpu: bool) -> TransformerConfig:
+def transformer_config(
+    model_cfg, parallel_cfg, *, bf16: bool, cpu: bool, use_te: bool | None = None
+) -> TransformerConfig:
     m, p = model_cfg, parallel_cfg
+    if use_te is None:
+        use_te = use_transformer_engine(m.transformer_impl, cpu)
     dtype = torch.bfloat16 if bf16 else torch.float32
+    grouped = moe_grouped_gemm(m, use_te)
     kwargs = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -92,7 +121,7 @@ def transformer_config(model_cfg, parallel_cfg, *, bf16: bool, cpu: bool) -> Tra
         # and keep every fused CUDA kernel off.
         use_cpu_initialization=cpu,
         masked_softmax_fusion=not cpu,
-        bias_dropout_fusion=not cpu,
+        bias_dropout_fusion=not cpu and not (grouped and not m.disable_bias_linear),  # TEGroupedMLP asserts
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
@@ -104,7 +133,7 @@ def transformer_config(model_cfg, parallel_cfg, *, bf16: bool, cpu: bool) -> Tra
             num_moe_experts=m.num_experts,
             moe_router_topk=m.moe_router_topk,
             moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-            moe_grouped_gemm=m.moe_grouped_gemm,
+            moe_grouped_gemm=grouped,
             moe_token_dispatcher_type=m.moe_token_dispatcher_type,
             moe_router_load_balancing_type=m.moe_router_load_balancing_type,
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
@@ -117,7 +146,7 @@ def layer_spec(model_cfg, config: TransformerConfig, *, use_te: bool) -> tuple[M
     m = model_cfg
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=m.num_experts, moe_grouped_gemm=m.moe_grouped_gemm, qk_layernorm=m.qk_layernorm
+            num_experts=m.num_experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=m.qk_layernorm
         )
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -125,7 +154,7 @@ def layer_spec(model_cfg, config: TransformerConfig, *, use_te: bool) -> tuple[M
     else:
         spec = get_gpt_layer_local_spec(
             num_experts=m.num_experts,
-            moe_grouped_gemm=m.moe_grouped_gemm,
+            moe_grouped_gemm=config.moe_grouped_gemm,
             qk_layernorm=m.qk_layernorm,
             normalization=m.normalization,
         )
@@ -159,8 +188,8 @@ def build_model(
 ) -> GPTModel:
     """Build this pipeline stage's GPTModel. ``vocab_size`` must already be padded."""
     m = run_cfg.model
-    config = transformer_config(m, run_cfg.parallel, bf16=run_cfg.training.bf16, cpu=cpu)
     use_te = use_transformer_engine(m.transformer_impl, cpu)
+    config = transformer_config(m, run_cfg.parallel, bf16=run_cfg.training.bf16, cpu=cpu, use_te=use_te)
     spec, norm = layer_spec(m, config, use_te=use_te)
     block = TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm

@@ -61,10 +61,12 @@ def role_of(name: str) -> str:
         return "head"
     if "router" in n:
         return "router"
-    if "experts" in n:  # routed and shared experts; grouped GEMM stores weight1 / weight2
-        if "linear_fc1" in n or last.startswith("weight1"):
+    if "experts" in n:
+        # Routed and shared experts: SequentialMLP ``local_experts.{e}.linear_fc1.weight``, TEGroupedMLP
+        # ``experts.linear_fc1.weight{e}``, megatron's legacy GroupedMLP ``experts.weight1`` / ``weight2``.
+        if "linear_fc1" in n or (last == "weight1" and "linear_fc" not in n):
             return "experts.fc1"
-        if "linear_fc2" in n or last.startswith("weight2"):
+        if "linear_fc2" in n or (last == "weight2" and "linear_fc" not in n):
             return "experts.fc2"
     if any(k in n for k in _QKV):
         return "attention.qkv"

@@ -54,7 +54,8 @@ class ModelConfig:
     moe_router_topk: int = opt(2, "Experts per token.")
     moe_ffn_hidden_size: Optional[int] = opt(None, "Expert MLP width (default moe-ffn-ratio*h).")
     moe_ffn_ratio: float = opt(1.0, "Expert width / hidden when --moe-ffn-hidden-size is unset.")
-    moe_grouped_gemm: bool = opt(False, "Grouped GEMM experts (GPU).")
+    moe_grouped_gemm: Optional[bool] = opt(
+        None, "Grouped GEMM experts, TE's TEGroupedMLP (unset: on when Transformer Engine builds the layers).")
     moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch.", ["allgather", "alltoall"])
     moe_router_load_balancing_type: str = opt(
         "aux_loss", "Router balancing.", ["aux_loss", "seq_aux_loss", "sinkhorn", "none"]

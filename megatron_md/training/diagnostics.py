@@ -23,12 +23,16 @@ _ROLES = [
     ("mlp.linear_fc2", "mlp.fc2"),
     ("mlp.router", "router"),
 ]
-_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_(fc\d)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.linear_(fc\d)$")  # canonical (mcore/naming.py)
 
 
 def label(md_key: str) -> str | None:
-    """``decoder.layers.3.self_attention.linear_qkv.weight`` -> ``L3.attention.qkv``."""
-    m = _LAYER.match(md_key or "")
+    """``decoder.layers.3.self_attention.linear_qkv.weight`` -> ``L3.attention.qkv``; a routed expert's
+    matrix, SequentialMLP's ``local_experts.5.linear_fc1.weight`` or TEGroupedMLP's ``linear_fc1.weight5``,
+    -> ``L1.expert5.fc1`` (md_keys carry the global expert; a raw grouped name its local index)."""
+    from megatron_md.mcore.naming import canonical_name
+
+    m = _LAYER.match(canonical_name(md_key or ""))
     if not m:
         return None
     layer, rest = m.groups()
