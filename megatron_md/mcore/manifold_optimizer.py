@@ -107,7 +107,8 @@ class MegatronManifoldMuon(MegatronMD):
             for p in group["params"]:
                 r = self.reducer_for(p)
                 project_sharded_(p, hp, r.group, r.dim)
-                self._init_mm_state(p, hp)
+                if not self.lazy_state:
+                    self._init_mm_state(p, hp)
 
     @torch.no_grad()
     def reset_from_weights(self) -> None:

@@ -119,11 +119,15 @@ def md_sharded_state(optimizer, *, loading: bool = False, layer_wise: bool = Fal
                     if f"rho_{axis}" in state:
                         out[f"{key}/{axis}"] = _axis_tensor(p, state, axis, layer_wise, loading)
                 tp_rank, _ = _tp(p)
-                step = state["gain_step"].reshape(1).float()
-                out[f"{key}/step"] = ShardedTensor.from_rank_offsets(
-                    f"md/{key}/step", torch.empty_like(step) if loading else step,
-                    replica_id=(tp_rank, 0 if layer_wise else _dp_rank(p)),
-                )
+                # Step counters: the gains' Adam step, and an Adam base's own step, which megatron's
+                # common-step mechanism does not carry for a layer-wise optimizer's ranks.
+                for name, sub in (("gain_step", "step"), ("step", "base_step")):
+                    if name in state:
+                        step = state[name].reshape(1).float()
+                        out[f"{key}/{sub}"] = ShardedTensor.from_rank_offsets(
+                            f"md/{key}/{sub}", torch.empty_like(step) if loading else step,
+                            replica_id=(tp_rank, 0 if layer_wise else _dp_rank(p)),
+                        )
     return out
 
 
@@ -148,6 +152,8 @@ def load_md_state(optimizer, loaded: dict) -> int:
                         for i, name in enumerate(("rho", "exp_avg", "exp_avg_sq")):
                             state[f"{name}_{axis}"].copy_(data[i])
                 state["gain_step"].copy_(loaded[f"{key}/step"].reshape(()))
+                if f"{key}/base_step" in loaded:
+                    state["step"] = loaded[f"{key}/base_step"].reshape(()).clone()
                 restored += 1
     return restored
 

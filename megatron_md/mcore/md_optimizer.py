@@ -63,7 +63,14 @@ class MDOptimizerConfig(OptimizerConfig):
 
 
 class MegatronMD(MDOptimizer):
-    """MDOptimizer whose reductions and msign follow each parameter's TP (or expert-TP) shards."""
+    """MDOptimizer whose reductions and msign follow each parameter's TP (or expert-TP) shards.
+
+    Under megatron's layer-wise distributed optimizer each DP rank keeps only the matrices it owns in
+    ``param_groups`` (narrowed after construction), so state is made lazily: a rank holds MD state
+    (momentum, gains, gain moments, duals) for its own matrices only.
+    """
+
+    lazy_state = True
 
     def __init__(self, params, config: MDOptimizerConfig, pg_collection=None):
         self.pg_collection = pg_collection
@@ -129,9 +136,17 @@ class MegatronMD(MDOptimizer):
             group["gains_lr"] = group["gains_max_lr"] * ratio
         return super().step(closure)
 
+    def drop_unowned_state(self) -> None:
+        """Forget state of matrices no longer in ``param_groups`` (another DP rank owns them)."""
+        owned = {id(p) for g in self.param_groups for p in g["params"]}
+        for p in [p for p in self.state if id(p) not in owned]:
+            del self.state[p]
+            self._blocks.pop(p, None)
+
     def state_dict(self):
         # megatron checkpoints optimizer state that has its parameter's shape; the gain vectors
         # travel separately (mcore/md_checkpoint.py).
+        self.drop_unowned_state()
         sd = super().state_dict()
         sd["state"] = {i: {k: v for k, v in s.items() if k not in GAIN_KEYS} for i, s in sd["state"].items()}
         return sd

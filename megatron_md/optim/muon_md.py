@@ -37,6 +37,11 @@ from .md import (
 class MDOptimizer(torch.optim.Optimizer):
     """MD decoupling around a pluggable base update (``MuonBase``, ``AdamBase``, later Lion/SOAP...)."""
 
+    # False: every matrix gets its state at construction. A subclass whose param groups are narrowed
+    # after construction (a distributed optimizer handing each rank the matrices it owns) sets True:
+    # state is then made on a matrix's first step, or by ``_init_group`` before a checkpoint load.
+    lazy_state = False
+
     def __init__(self, params: Iterable[Any], defaults: dict, base: BaseUpdate):
         self.base = base  # set before super().__init__, which calls add_param_group
         self._blocks: dict[torch.Tensor, list[Block]] = {}
@@ -64,14 +69,13 @@ class MDOptimizer(torch.optim.Optimizer):
         hp.validate()
         with torch.no_grad():
             for p in group["params"]:
-                self._init_param(p, hp, project=True)
+                self._init_param(p, hp, project=True, state=not self.lazy_state)
 
-    def _init_param(self, p: torch.Tensor, hp: MDHyperParams, project: bool) -> None:
-        state = self.state[p]
+    def _init_param(self, p: torch.Tensor, hp: MDHyperParams, project: bool, state: bool = True) -> None:
         if project:
             project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere, self.reducer_for(p), hp.radius_scale)
-        if not state:
-            init_md_state(p, state, hp, self.base_for(hp))
+        if state and not self.state.get(p):
+            init_md_state(p, self.state[p], hp, self.base_for(hp))
 
     def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> list[Block]:
         blocks = self._blocks.get(p)

@@ -1,0 +1,73 @@
+"""What megatron-core's optimizers need before a torch_dist load, and who owns which matrix.
+
+megatron-core 0.19's ``DistributedOptimizer`` builds its loading state dict from the inner optimizer's
+own ``state_dict()``. Without Apex or Transformer Engine (any CPU run, and GPU installs without
+either) the inner optimizer is ``torch.optim.AdamW``, whose state is empty until its first step, so
+``state_dict`` fails at ``assert len(steps) == 1``: a resumed run could not load an Adam checkpoint
+with ``--use-distributed-optimizer``. ``prepare_for_load`` gives such optimizers the state layout a
+step would have made (zeros and step 0); the load then overwrites every value but one: megatron's
+per-parameter state copy also copies the in-memory ``step`` over the restored one (into a tensor
+shared by every parameter), so the resumed AdamW restarted its bias correction at step 1 and drifted
+from the straight run at its second step. ``after_load`` sets each parameter's own ``step`` from the
+loaded param group, where megatron keeps the saved value.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from megatron.core.optimizer import distrib_optimizer as _distrib
+
+
+def walk(optimizer) -> Iterator:
+    """Every optimizer object inside megatron's chained / wrapped / layer-wise optimizers (pre-order)."""
+    stack = [optimizer]
+    while stack:
+        o = stack.pop()
+        yield o
+        chained = getattr(o, "chained_optimizers", None)
+        if chained:  # ChainedOptimizer.optimizer asserts when it holds several
+            stack += list(chained)
+            continue
+        inner = o.__dict__.get("optimizer")
+        if inner is not None and inner is not o:
+            stack.append(inner)
+
+
+def prepare_for_load(optimizer) -> int:
+    """Allocate torch-AdamW state in megatron's distributed optimizers that have not stepped yet.
+
+    Returns how many inner optimizers were prepared. A no-op where Apex or TE provide the Adam kernel
+    (megatron reads the step from the param groups there) or where the state already exists.
+    """
+    if getattr(_distrib, "HAVE_APEX_OR_TE", True):
+        return 0
+    prepared = 0
+    for o in walk(optimizer):
+        if not isinstance(o, _distrib.DistributedOptimizer):
+            continue
+        inner = o.optimizer
+        if len(inner.state) > 0 or not any(g["params"] for g in inner.param_groups):
+            continue
+        o.init_state_fn(inner, o.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+        prepared += 1
+    return prepared
+
+
+def after_load(optimizer) -> None:
+    """Each parameter of megatron's torch-AdamW distributed optimizer gets its own, restored ``step``."""
+    if getattr(_distrib, "HAVE_APEX_OR_TE", True):
+        return
+    for o in walk(optimizer):
+        if not isinstance(o, _distrib.DistributedOptimizer):
+            continue
+        for group in o.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if "step" in o.optimizer.state.get(p, {}):
+                    o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
