@@ -127,6 +127,7 @@ def cmd_train(argv: list[str]) -> int:
         return 2
     if nproc > 1 and not under_launcher():
         return relaunch(nproc, ["train", *_strip_nproc(argv)])
+    from megatron_md.training.ckpt_integrity import CheckpointCorrupted
     from megatron_md.training.trainer import TrainingStopped, run
 
     try:
@@ -134,7 +135,7 @@ def cmd_train(argv: list[str]) -> int:
     except TrainingStopped as e:
         print(f"megatron-md train: {e}", file=sys.stderr)
         return 3
-    except ConfigError as e:
+    except (ConfigError, CheckpointCorrupted) as e:
         print(f"megatron-md train: error: {e}", file=sys.stderr)
         return 2
     finally:
@@ -186,6 +187,10 @@ def cmd_score(argv: list[str]) -> int:
         help="Score the run's validation batches (reproduces the trainer's final eval loss).",
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument(
+        "--no-verify-checkpoint", action="store_true",
+        help="Load without checking the files against the checkpoint's checksums.json.",
+    )
     a = p.parse_args(argv)
     from megatron_md.training.score import score_main
 
@@ -209,6 +214,10 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--ignore-eos", action="store_true", help="Keep going past the end-of-document token.")
     p.add_argument("--ids", action="store_true", help="Print the new token ids instead of text.")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument(
+        "--no-verify-checkpoint", action="store_true",
+        help="Load without checking the files against the checkpoint's checksums.json.",
+    )
     a = p.parse_args(argv)
     from megatron_md.training.generate import generate_main
 

@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--tolerance", type=float, default=1e-4,
                    help="--verify fails above this max|a-b|/max|b| of the logits.")
     e.add_argument("--dump-logits", help="--verify: also save our tokens and logits (torch.save) here.")
+    e.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="Read the checkpoint without checking its files against its checksums.json.")
     i = sub.add_parser("import", help="dense Hugging Face Qwen3/Llama directory -> our checkpoint")
     i.add_argument("--hf", required=True, help="HF directory (config.json + safetensors).")
     i.add_argument("--output", required=True, help="Checkpoint root to write (empty or new).")
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             report = export_checkpoint(
                 args.load, args.output, iteration=args.iteration, dtype=args.dtype,
                 max_shard_size=args.max_shard_size, verify=args.verify or bool(args.dump_logits),
-                dump_logits=args.dump_logits,
+                dump_logits=args.dump_logits, check_integrity=not args.no_verify_checkpoint,
             )
         else:
             from megatron_md.convert.hf_import import import_checkpoint

@@ -106,13 +106,13 @@ def checkpoint_vocab(path: Path, cfg, tokenizer_model: Path | None, saved_tp: in
     return rows, raw
 
 
-def build_and_load(cfg, load: str | Path, iteration: int | None, vocab: int):
+def build_and_load(cfg, load: str | Path, iteration: int | None, vocab: int, *, verify: bool = True):
     """Our GPTModel at TP1 with the checkpoint's weights (needs ``init_single_process``)."""
     from megatron_md.models.builder import build_model
     from megatron_md.training import checkpointing as ckpt
 
     model = build_model(cfg, vocab, cpu=True, pre_process=True, post_process=True)
-    ckpt.load_checkpoint(load, model, load_optim=False, load_rng=False, iteration=iteration)
+    ckpt.load_checkpoint(load, model, load_optim=False, load_rng=False, iteration=iteration, verify=verify)
     model.eval()
     return model
 
@@ -245,9 +245,17 @@ def export_checkpoint(
     max_shard_size: str | int = DEFAULT_SHARD,
     verify: bool = False,
     dump_logits: str | Path | None = None,
+    check_integrity: bool = True,
     log=print,
 ) -> dict:
-    """Write the HF model directory; returns a report (family, vocab, files, logits error)."""
+    """Write the HF model directory; returns a report (family, vocab, files, logits error).
+
+    ``check_integrity``: check the checkpoint against its checksums.json before reading anything.
+    """
+    if check_integrity:
+        from megatron_md.training.ckpt_integrity import verify_load
+
+        verify_load(load, iteration)
     cfg, path, tok, saved = load_run_config(load, iteration)
     m = cfg.model
     choose_family(m)  # refuse before any heavy work; routing details are checked once built
@@ -256,7 +264,7 @@ def export_checkpoint(
     init_single_process(cfg.training.seed)
     try:
         vocab, raw = checkpoint_vocab(path, cfg, tok, saved.tensor_model_parallel_size)
-        model = build_and_load(cfg, load, iteration, vocab)
+        model = build_and_load(cfg, load, iteration, vocab, verify=False)  # checked above
         fam: Family = choose_family(m, pre_softmax=check_mcore(model.config))
         layout = (f"TP{saved.tensor_model_parallel_size} PP{saved.pipeline_model_parallel_size} "
                   f"EP{saved.expert_model_parallel_size}")

@@ -176,6 +176,9 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path, *, config: str | N
     (partial / ckpt.RUN_CONFIG).write_text(run_yaml)
     if sp is not None:
         shutil.copy2(sp, partial / "tokenizer.model")
+    from megatron_md.training.ckpt_integrity import write_manifest
+
+    write_manifest(partial)  # checksums.json, as save_checkpoint writes (one process here)
     partial.rename(final)
     (root / ckpt.LATEST).write_text("0\n")
     log(f"import: {hf_dir} ({hc['model_type']}) -> {final}; {tok_note}")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model as unwrap
+from megatron_md.training.ckpt_integrity import verify_checkpoint, write_manifest
 from megatron_md.training.preemption import maybe_delay_save
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -128,6 +129,8 @@ def save_checkpoint(
         (partial / RUN_CONFIG).write_text(run_config_yaml)
         if tokenizer_model:
             shutil.copy2(tokenizer_model, partial / "tokenizer.model")
+    write_manifest(partial)  # collective: every rank hashes a share of the files, rank 0 writes checksums.json
+    if rank == 0:
         if final.exists():  # keep, never overwrite, what was there
             final.rename(final.with_name(f"{final.name}.old-{int(time.time())}"))
         partial.rename(final)
@@ -148,8 +151,12 @@ def load_checkpoint(
     load_rng: bool = True,
     iteration: int | None = None,
     layer_wise: bool = False,
+    verify: bool = True,
 ) -> dict:
-    """Load model (and optimizer, scheduler, RNG) in place; returns the common state."""
+    """Load model (and optimizer, scheduler, RNG) in place; returns the common state.
+
+    ``verify`` (collective) first checks the files against their checksums.json, reading nothing else.
+    """
     if iteration is None:
         iteration = latest_iteration(root)
         if iteration is None:
@@ -157,6 +164,8 @@ def load_checkpoint(
     path = iter_dir(root, iteration)
     if not path.is_dir():
         raise FileNotFoundError(f"--load {root}: {path.name} is listed as latest but missing")
+    if verify:
+        verify_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(str(path))
     same_world = common.get("world_size") == dist.get_world_size()
     with_optim = load_optim and optimizer is not None

@@ -201,6 +201,10 @@ class CheckpointConfig:
     )
     no_load_optim: bool = opt(False, "Resume weights but not optimizer state.")
     no_load_rng: bool = opt(False, "Do not restore RNG states.")
+    no_verify_checkpoint: bool = opt(
+        False, "Load without checking the checkpoint's files against the sizes and checksums in its "
+        "checksums.json (written at save; a mismatch otherwise stops the load before anything is read)."
+    )
     ckpt_format: str = opt("torch_dist", "Checkpoint format.", ["torch_dist"])
 
 

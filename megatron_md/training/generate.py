@@ -77,7 +77,7 @@ def generate_ids(model, prompt: list[int], opts: SamplingOptions, *, seq_length:
 def generate_main(args) -> int:
     from megatron_md.training.score import load_for_inference
 
-    cfg, model, tokenizer, rt = load_for_inference(args.load, args.device)
+    cfg, model, tokenizer, rt = load_for_inference(args.load, args.device, verify=not args.no_verify_checkpoint)
     if tokenizer is None:
         raise ValueError("--load: this checkpoint was trained without a tokenizer (mock data); nothing to decode")
     opts = SamplingOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,

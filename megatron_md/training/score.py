@@ -15,8 +15,15 @@ from megatron_md.training import checkpointing as ckpt
 from megatron_md.training.config import RunConfig
 
 
-def load_for_inference(load_dir: str, device: str = "cpu"):
-    """Build the checkpoint's model in this single process and load its weights."""
+def load_for_inference(load_dir: str, device: str = "cpu", verify: bool = True):
+    """Build the checkpoint's model in this single process and load its weights.
+
+    ``verify``: check the files against the checkpoint's checksums.json before reading any of them.
+    """
+    if verify:
+        from megatron_md.training.ckpt_integrity import verify_load
+
+        verify_load(load_dir)
     text, path = ckpt.read_run_config(load_dir)
     cfg = RunConfig.from_dict(yaml.safe_load(text))
     p = cfg.parallel
@@ -30,6 +37,7 @@ def load_for_inference(load_dir: str, device: str = "cpu"):
     if tok_path.exists():
         cfg.data.tokenizer_model = str(tok_path)
     cfg.checkpoint.save = cfg.checkpoint.load = cfg.checkpoint.pretrained_checkpoint = None
+    cfg.checkpoint.save_interval = None  # a run saved with --save-interval: without --save it is refused
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         os.environ.pop(k, None)
     from megatron_md.models.builder import build_model
@@ -44,7 +52,7 @@ def load_for_inference(load_dir: str, device: str = "cpu"):
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(model.config, model)
-    ckpt.load_checkpoint(load_dir, model, load_optim=False, load_rng=False)
+    ckpt.load_checkpoint(load_dir, model, load_optim=False, load_rng=False, verify=False)  # verified above
     model.eval()
     return cfg, model, tokenizer, rt
 
@@ -99,7 +107,7 @@ def score_validation(cfg: RunConfig, model, tokenizer, device) -> tuple[float, i
 
 
 def score_main(args) -> int:
-    cfg, model, tokenizer, rt = load_for_inference(args.load, args.device)
+    cfg, model, tokenizer, rt = load_for_inference(args.load, args.device, verify=not args.no_verify_checkpoint)
     if args.validation:
         loss, n = score_validation(cfg, model, tokenizer, rt.device)
         what = "validation set"

@@ -275,6 +275,7 @@ class Trainer:
             common = ckpt.load_checkpoint(
                 c.load, self.model, self.optimizer, self.scheduler,
                 load_optim=not c.no_load_optim, load_rng=not c.no_load_rng, layer_wise=layer_wise(self.cfg),
+                verify=not c.no_verify_checkpoint,
             )
             self.state.iteration = common["iteration"]
             self.state.consumed_samples = common["consumed_samples"]
@@ -286,7 +287,8 @@ class Trainer:
             return True
         if c.pretrained_checkpoint:
             common = ckpt.load_checkpoint(
-                c.pretrained_checkpoint, self.model, self.optimizer, load_optim=False, load_rng=False
+                c.pretrained_checkpoint, self.model, self.optimizer, load_optim=False, load_rng=False,
+                verify=not c.no_verify_checkpoint,
             )
             self._loaded_from = common["path"] + " (weights only)"
         return False
