@@ -127,6 +127,7 @@ def cmd_train(argv: list[str]) -> int:
         return 2
     if nproc > 1 and not under_launcher():
         return relaunch(nproc, ["train", *_strip_nproc(argv)])
+    from megatron_md.training.checkpointing import CheckpointMismatch
     from megatron_md.training.ckpt_integrity import CheckpointCorrupted
     from megatron_md.training.trainer import TrainingStopped, run
 
@@ -135,7 +136,7 @@ def cmd_train(argv: list[str]) -> int:
     except TrainingStopped as e:
         print(f"megatron-md train: {e}", file=sys.stderr)
         return 3
-    except (ConfigError, CheckpointCorrupted) as e:
+    except (ConfigError, CheckpointCorrupted, CheckpointMismatch) as e:
         print(f"megatron-md train: error: {e}", file=sys.stderr)
         return 2
     finally:

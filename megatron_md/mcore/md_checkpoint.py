@@ -186,8 +186,24 @@ def sync_model_params(optimizer) -> None:
         stack += _children(o)
 
 
+def md_state_bytes(optimizer) -> dict[str, int]:
+    """Bytes of optimizer state this rank holds for MD / Manifold-Muon managed matrices.
+
+    ``state``: every tensor in the MD optimizers' state (momentum or Adam moments, gains and their
+    moments, manifold duals); ``matrices``: how many matrices that state belongs to.
+    """
+    total = count = 0
+    for opt in md_optimizers(optimizer):
+        for state in opt.state.values():
+            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+            if tensors:
+                count += 1
+                total += sum(t.numel() * t.element_size() for t in tensors)
+    return {"state": total, "matrices": count}
+
+
 def has_md(optimizer) -> bool:
     return bool(md_optimizers(optimizer))
 
 
-__all__ = ["sync_model_params", "tag_md_params", "md_sharded_state", "load_md_state", "md_optimizers", "has_md", "reset_md_from_weights", "GAIN_KEYS"]
+__all__ = ["md_state_bytes", "sync_model_params", "tag_md_params", "md_sharded_state", "load_md_state", "md_optimizers", "has_md", "reset_md_from_weights", "GAIN_KEYS"]

@@ -35,6 +35,11 @@ def walk(optimizer) -> Iterator:
             stack.append(inner)
 
 
+def has_byte_sharded_state(optimizer) -> bool:
+    """Whether megatron's byte-sharded DistributedOptimizer holds part of this optimizer's state."""
+    return any(isinstance(o, _distrib.DistributedOptimizer) for o in walk(optimizer))
+
+
 def prepare_for_load(optimizer) -> int:
     """Allocate torch-AdamW state in megatron's distributed optimizers that have not stepped yet.
 
@@ -55,7 +60,23 @@ def prepare_for_load(optimizer) -> int:
             for p in group["params"]:
                 inner.state[p].setdefault("step", torch.tensor(0.0))
         prepared += 1
+    for o in walk(optimizer):
+        if isinstance(o, _distrib.DistributedOptimizer) and not getattr(o, "_md_step_tolerant", False):
+            _tolerate_missing_step(o)
     return prepared
+
+
+def _tolerate_missing_step(o) -> None:
+    """The 'fully_reshardable' load hands megatron's per-parameter copy no ``step`` (it keeps the step in
+    the param groups) while torch AdamW's state has one, so the copy raised ``KeyError: 'step'``; mark it
+    absent (megatron skips non-tensors) and let ``after_load`` restore it."""
+    copy_states = o._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        return copy_states(model_param, tensors if "step" in tensors else {**tensors, "step": None})
+
+    o._set_main_param_and_optimizer_states = set_states
+    o._md_step_tolerant = True
 
 
 def after_load(optimizer) -> None:

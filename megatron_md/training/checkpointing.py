@@ -20,14 +20,56 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model as unwrap
+
+from megatron_md.mcore.optimizer_checkpoint import after_load, has_byte_sharded_state, prepare_for_load
 from megatron_md.training.ckpt_integrity import verify_checkpoint, write_manifest
 from megatron_md.training.preemption import maybe_delay_save
 
 LATEST = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
-OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# megatron's byte-sharded DistributedOptimizer (adam): 'dp_reshardable' writes each rank's buffer
+# shard in parallel and reshards across DP only; 'fully_reshardable' gathers a canonical per-parameter
+# state on DP rank 0 at save and loads at any layout (--dist-ckpt-optim-fully-reshardable).
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that cannot be loaded into this run as asked (layout, optimizer); says the way out."""
+
+
+def current_layout() -> dict[str, int]:
+    """The parallel layout a checkpoint is saved at (stored in its common state)."""
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+    }
+
+
+def describe_layout(layout: dict) -> str:
+    return " x ".join(f"{k.upper()}{layout[k]}" for k in ("tp", "pp", "ep", "etp", "dp") if k in layout)
+
+
+def check_optimizer_reshard(root, saved: dict, optimizer) -> None:
+    """Refuse, before reading any tensor, a byte-sharded optimizer state saved at another TP/PP/EP layout."""
+    if saved.get("optim_sharding", DP_RESHARDABLE) != DP_RESHARDABLE or not has_byte_sharded_state(optimizer):
+        return
+    layout, now = saved.get("layout"), current_layout()
+    if layout is None:
+        return  # saved before layouts were recorded: megatron itself reports a mismatch
+    if any(layout.get(k) != now[k] for k in ("tp", "pp", "ep", "etp")):
+        raise CheckpointMismatch(
+            f"--load {root}: the distributed Adam state was saved at {describe_layout(layout)} in the "
+            f"'dp_reshardable' format, which only reshards across data parallel; this run is "
+            f"{describe_layout(now)}. Resume at the saved TP/PP/EP sizes, or resume there once with "
+            "--dist-ckpt-optim-fully-reshardable and save (that checkpoint loads at any layout), "
+            "or pass --no-load-optim to keep the weights and start the optimizer afresh."
+        )
 
 
 def iter_dir(root: str | Path, iteration: int) -> Path:
@@ -67,13 +109,14 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _sharded_state(
-    model, optimizer, *, is_loading: bool, with_optim: bool, with_rng: bool, layer_wise: bool = False
+    model, optimizer, *, is_loading: bool, with_optim: bool, with_rng: bool, layer_wise: bool = False,
+    optim_sharding: str = DP_RESHARDABLE,
 ) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=OPTIM_METADATA
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optim_sharding}
         )
         from megatron_md.mcore.md_checkpoint import has_md, md_sharded_state
 
@@ -99,6 +142,7 @@ def save_checkpoint(
     tokenizer_model: str | None,
     extra: dict | None = None,
     layer_wise: bool = False,
+    fully_reshardable: bool = False,
 ) -> Path:
     """Save atomically; returns the final ``iter_`` directory."""
     root = Path(root)
@@ -111,11 +155,15 @@ def save_checkpoint(
             shutil.rmtree(partial)
         partial.mkdir()
     dist.barrier()
+    optim_sharding = FULLY_RESHARDABLE if fully_reshardable else DP_RESHARDABLE
     state = _sharded_state(
-        model, optimizer, is_loading=False, with_optim=True, with_rng=True, layer_wise=layer_wise
+        model, optimizer, is_loading=False, with_optim=True, with_rng=True, layer_wise=layer_wise,
+        optim_sharding=optim_sharding,
     )
     state.update(
         iteration=iteration,
+        layout=current_layout(),
+        optim_sharding=optim_sharding,
         consumed_samples=consumed_samples,
         scheduler=scheduler.state_dict(),
         world_size=dist.get_world_size(),
@@ -169,12 +217,15 @@ def load_checkpoint(
     common = dist_checkpointing.load_common_state_dict(str(path))
     same_world = common.get("world_size") == dist.get_world_size()
     with_optim = load_optim and optimizer is not None
+    if with_optim:
+        check_optimizer_reshard(root, common, optimizer)
+        prepare_for_load(optimizer)
     state = _sharded_state(
         model, optimizer, is_loading=True, with_optim=with_optim, with_rng=load_rng and same_world,
-        layer_wise=layer_wise,
+        layer_wise=layer_wise, optim_sharding=common.get("optim_sharding", DP_RESHARDABLE),
     )
     if with_optim and "md" in state and not common.get("has_md", False):
-        raise ValueError(
+        raise CheckpointMismatch(
             f"--load {root}: the checkpoint has no MD gain state (saved with another optimizer); "
             "use --pretrained-checkpoint to start MD from its weights, or --no-load-optim"
         )
@@ -182,6 +233,7 @@ def load_checkpoint(
     unwrap(model).load_state_dict(loaded["model"])
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
+        after_load(optimizer)
         if "md" in loaded:
             from megatron_md.mcore.md_checkpoint import load_md_state
 

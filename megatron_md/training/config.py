@@ -206,6 +206,11 @@ class CheckpointConfig:
         "checksums.json (written at save; a mismatch otherwise stops the load before anything is read)."
     )
     ckpt_format: str = opt("torch_dist", "Checkpoint format.", ["torch_dist"])
+    dist_ckpt_optim_fully_reshardable: bool = opt(
+        False, "Save the distributed Adam state (--optimizer adam --use-distributed-optimizer) in megatron's "
+        "'fully_reshardable' format: gathered on DP rank 0 at save, loadable at any TP/PP/EP/DP layout. "
+        "The default 'dp_reshardable' format saves every rank's shard in parallel and reshards across DP only."
+    )
 
 
 @dataclass

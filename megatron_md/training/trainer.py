@@ -407,6 +407,7 @@ class Trainer:
             extra={"skipped_total": self.state.skipped_total, "nan_total": self.state.nan_total,
                    "auto_policy": self._auto_policy_state()},
             layer_wise=layer_wise(self.cfg),
+            fully_reshardable=c.dist_ckpt_optim_fully_reshardable,
         )
         self.logger.print(f"saved checkpoint {path.resolve()}")
         return path
