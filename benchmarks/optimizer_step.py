@@ -229,7 +229,7 @@ class Subject:
     def __init__(self, name: str, args):
         import torch
 
-        from megatron_md.training.trainer import build_optimizer, build_wrapped_model, seed_everything, vocab_size_for
+        from megatron_md.training.build import build_optimizer, build_wrapped_model, seed_everything, vocab_size_for
 
         self.name = name
         self.cfg = run_config(name, args)
@@ -327,7 +327,7 @@ def single_process_world(cfg):
     """World 1 on the CPU runtime (gloo), model-parallel state and seeds; torn down on exit."""
     from megatron_md.runtime import cpu
     from megatron_md.runtime.distributed import destroy_distributed
-    from megatron_md.training.trainer import setup_parallel
+    from megatron_md.training.build import setup_parallel
 
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         os.environ.pop(k, None)
@@ -350,7 +350,7 @@ def run(args) -> dict:
     import torch
 
     from megatron_md.models.presets import count_parameters
-    from megatron_md.training.trainer import _with_vocab, vocab_size_for
+    from megatron_md.training.build import with_vocab, vocab_size_for
 
     t_start = time.perf_counter()
     prev_threads = torch.get_num_threads()
@@ -358,7 +358,7 @@ def run(args) -> dict:
     try:
         cfg0 = run_config(args.optimizers[0], args)
         vocab = vocab_size_for(cfg0, None)
-        counts = count_parameters(_with_vocab(cfg0.model, vocab))
+        counts = count_parameters(with_vocab(cfg0.model, vocab))
         m = cfg0.model
         print(f"model: {args.preset} at hidden {m.hidden_size}, {m.num_layers} layers, vocab {vocab}: "
               f"{counts.total:,} parameters ({counts.embedding:,} embedding + LM head, "

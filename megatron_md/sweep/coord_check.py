@@ -98,7 +98,7 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
     from megatron.core.utils import unwrap_model as unwrap
     from megatron_md.training.data import build_gpt_datasets
     from megatron_md.training.step import make_forward_step
-    from megatron_md.training.trainer import (build_optimizer, build_wrapped_model, global_batch_size,
+    from megatron_md.training.build import (build_optimizer, build_wrapped_model, global_batch_size,
                                               make_tokenizer, seed_everything, vocab_size_for)
 
     t = cfg.training
@@ -170,7 +170,7 @@ def run_coord_check(spec: SweepSpec, out: Path, steps: int, log: Callable[[str],
     from megatron_md.runtime import cpu
     from megatron_md.runtime.distributed import destroy_distributed
     from megatron_md.training import config as C
-    from megatron_md.training.trainer import setup_parallel
+    from megatron_md.training.build import setup_parallel
 
     from megatron_md.sweep.results import write_csv
 

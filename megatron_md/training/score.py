@@ -41,7 +41,7 @@ def load_for_inference(load_dir: str, device: str = "cpu", verify: bool = True):
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         os.environ.pop(k, None)
     from megatron_md.models.builder import build_model
-    from megatron_md.training.trainer import make_tokenizer, setup_parallel, vocab_size_for
+    from megatron_md.training.build import make_tokenizer, setup_parallel, vocab_size_for
 
     rt = setup_parallel(cfg)
     tokenizer = make_tokenizer(cfg)
@@ -85,7 +85,7 @@ def score_validation(cfg: RunConfig, model, tokenizer, device) -> tuple[float, i
     """The trainer's final evaluation, recomputed: same dataset sizes, same samples."""
     from megatron_md.training.batches import collate
     from megatron_md.training.data import build_gpt_datasets
-    from megatron_md.training.trainer import vocab_size_for
+    from megatron_md.training.build import vocab_size_for
 
     t = cfg.training
     gbs = t.global_batch_size

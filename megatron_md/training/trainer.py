@@ -8,33 +8,33 @@ it can touch the weights), ``optimizer.step()`` (global-norm clipping inside), L
 from __future__ import annotations
 
 import math
-import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
 
-from megatron_md.models.builder import build_model, padded_vocab_size
 from megatron_md.models.presets import count_parameters, human
 from megatron_md.training import checkpointing as ckpt
+from megatron_md.training.build import (
+    build_optimizer,
+    build_wrapped_model,
+    global_batch_size,
+    layer_wise,
+    make_tokenizer,
+    setup_parallel,
+    vocab_size_for,
+    with_vocab,
+)
 from megatron_md.training.preemption import PreemptionWatch, mark_preempted, signal_name
 from megatron_md.training.batches import micro_batches
 from megatron_md.training.config import RunConfig
 from megatron_md.training.run_logging import RunLogger
 from megatron_md.training.step import all_finite, make_forward_step, reduce_loss
-from megatron_md.training.validate import ConfigError, data_parallel_size, validate_config
+from megatron_md.training.validate import ConfigError
 
 
 class TrainingStopped(RuntimeError):
@@ -52,163 +52,6 @@ class TrainState:
 
 
 # ----------------------------------------------------------------------------- setup helpers
-
-def setup_parallel(cfg: RunConfig):
-    """Runtime, process groups and seeds. Returns the Runtime."""
-    from megatron_md.runtime import activate, select_runtime
-    from megatron_md.runtime.distributed import init_distributed
-
-    rt = select_runtime(cfg.training.device)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_config(cfg, world)
-    activate(rt)
-    init_distributed(rt)
-    p = cfg.parallel
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
-    )
-    seed_everything(cfg.training.seed)
-    return rt
-
-
-def seed_everything(seed: int) -> None:
-    # Megatron's convention: pipeline stages draw different streams; TP ranks share one.
-    s = seed + 100 * ps.get_pipeline_model_parallel_rank()
-    random.seed(s)
-    np.random.seed(s)
-    torch.manual_seed(s)
-    tensor_parallel.model_parallel_cuda_manual_seed(s)
-
-
-def make_tokenizer(cfg: RunConfig):
-    if cfg.data.mock_data or cfg.data.tokenizer_type == "NullTokenizer" or not cfg.data.tokenizer_model:
-        return None
-    from megatron_md.training.tokenizer import Tokenizer
-
-    return Tokenizer(cfg.data.tokenizer_model)
-
-
-def vocab_size_for(cfg: RunConfig, tokenizer) -> int:
-    raw = tokenizer.vocab_size if tokenizer is not None else cfg.model.vocab_size
-    return padded_vocab_size(raw, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
-
-
-def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
-    """GPTModel for this stage, in Float16Module when bf16, in megatron DDP."""
-    model = build_model(cfg, vocab, cpu=cpu)
-    config = model.config
-    if not cpu:
-        model.cuda(torch.cuda.current_device())
-    if cfg.training.bf16:
-        model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        # Byte-sharded DistributedOptimizer for adam; the layer-wise one (matrix optimizers) works
-        # on plain DDP buffers.
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and cfg.optimizer.optimizer == "adam",
-        check_for_nan_in_grad=False,  # we check ourselves and skip the step instead of crashing
-    )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    from megatron_md.mcore.md_checkpoint import tag_md_params
-
-    tag_md_params(ddp)  # layout-independent names for MD state and diagnostics
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
-    return ddp, config
-
-
-def ns_matmul_precision(setting: str, device: torch.device) -> str:
-    """--muon-fp32-matmul-prec resolved: 'auto' is bf16 Newton-Schulz ('medium') on GPUs and fp32 on CPU,
-    where a bf16 GEMM without native bf16 units took 737 ms against 7 ms in fp32 (256x2048, one core)."""
-    if setting != "auto":
-        return setting
-    return "highest" if device.type == "cpu" else "medium"
-
-
-def build_optimizer(cfg: RunConfig, ddp_model):
-    o, t = cfg.optimizer, cfg.training
-    common = dict(
-        optimizer=o.optimizer,
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=t.bf16,
-        params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and o.optimizer == "adam",
-        use_layer_wise_distributed_optimizer=layer_wise(cfg),
-        muon_momentum=o.muon_momentum,
-        muon_nesterov=o.muon_nesterov,
-        muon_scale_mode=o.muon_scale_mode,
-        muon_num_ns_steps=o.muon_num_ns_steps,
-        muon_tp_mode=o.muon_tp_mode,
-        muon_extra_scale_factor=o.muon_extra_scale_factor,
-        muon_fp32_matmul_prec=ns_matmul_precision(o.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
-    )
-    if o.optimizer == "manifold_muon":
-        from megatron.core.optimizer import get_standard_config_overrides
-
-        from megatron_md.mcore import manifold_optimizer as mm, md_optimizer as mdo
-
-        ocfg = mm.ManifoldOptimizerConfig(
-            **common, **mdo.optimizer_config_kwargs(o), **mm.manifold_config_kwargs(o),
-            md_num_layers=cfg.model.num_layers,
-        )
-        policy = mm.register(ocfg)
-        overrides = {**get_standard_config_overrides(ocfg), **mm.manifold_param_overrides(ocfg, policy)}
-        optimizer = get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides)
-        optimizer.megatron_md_policy = policy
-    elif o.optimizer in ("muon_md", "adam_md"):
-        from megatron.core.optimizer import get_standard_config_overrides
-
-        from megatron_md.mcore import md_optimizer as mdo
-
-        ocfg = mdo.MDOptimizerConfig(
-            **common, **mdo.optimizer_config_kwargs(o), md_num_layers=cfg.model.num_layers
-        )
-        mdo.register(ocfg)
-        overrides = {**get_standard_config_overrides(ocfg), **mdo.md_param_overrides(ocfg)}
-        optimizer = get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides)
-    else:
-        optimizer = get_megatron_optimizer(OptimizerConfig(**common), [ddp_model])
-    gbs = global_batch_size(cfg)
-    decay_iters = max(o.lr_decay_iters or t.train_iters, 1)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0 if o.lr_warmup_iters > 0 else o.lr,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters * gbs,
-        lr_decay_steps=decay_iters * gbs,
-        lr_decay_style=o.lr_decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=max(t.train_iters, 1) * gbs,
-        wd_incr_style="constant",
-        wsd_decay_steps=(o.lr_wsd_decay_iters or 0) * gbs if o.lr_decay_style == "WSD" else None,
-        lr_wsd_decay_style=o.lr_wsd_decay_style,
-    )
-    return optimizer, scheduler
-
-
-def layer_wise(cfg: RunConfig) -> bool:
-    """Matrix optimizers shard over DP through megatron's layer-wise optimizer (whole matrices)."""
-    return cfg.parallel.use_distributed_optimizer and cfg.optimizer.optimizer != "adam"
-
-
-def global_batch_size(cfg: RunConfig) -> int:
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    return cfg.training.global_batch_size or cfg.training.micro_batch_size * data_parallel_size(cfg, world)
-
 
 def is_logging_rank() -> bool:
     return (
@@ -295,7 +138,7 @@ class Trainer:
 
     def _announce(self) -> None:
         cfg, log = self.cfg, self.logger
-        counts = count_parameters(_with_vocab(cfg.model, self.vocab))
+        counts = count_parameters(with_vocab(cfg.model, self.vocab))
         local = sum(p.numel() for p in self.model.parameters())
         log.print(f"megatron_md | {self.rt.describe()}")
         log.print(
@@ -543,14 +386,6 @@ class Trainer:
             if group.get("md_role") == md_role and (md_role is not None or group["params"]):
                 return group["lr"]
         return None if md_role else self.optimizer.param_groups[0]["lr"]
-
-
-def _with_vocab(model_cfg, vocab: int):
-    import copy
-
-    m = copy.copy(model_cfg)
-    m.vocab_size = vocab
-    return m
 
 
 def run(cfg: RunConfig) -> TrainState:

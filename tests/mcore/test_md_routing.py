@@ -12,7 +12,7 @@ from megatron_md.training.config import resolve
 
 @pytest.fixture
 def md_model(mcore_world):
-    from megatron_md.training.trainer import build_optimizer, build_wrapped_model
+    from megatron_md.training.build import build_optimizer, build_wrapped_model
 
     cfg = resolve("tiny-moe", None, {"optimizer": "muon_md", "mock_data": True, "matrix_lr": 0.05,
                                      "embedding_lr": 0.003, "lr": 0.001, "gains_lr": 0.002})
@@ -76,7 +76,7 @@ def test_md_recipe_is_the_default_for_muon_md():
 
 
 def test_out_projection_radius_option(mcore_world):
-    from megatron_md.training.trainer import build_optimizer, build_wrapped_model
+    from megatron_md.training.build import build_optimizer, build_wrapped_model
 
     cfg = resolve("tiny-dense", None, {"optimizer": "muon_md", "mock_data": True, "md_out_proj_radius": True})
     model, _ = build_wrapped_model(cfg, cfg.model.vocab_size, cpu=True)

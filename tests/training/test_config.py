@@ -79,7 +79,7 @@ def test_muon_newton_schulz_precision_is_fp32_on_cpu_unless_set():
     without bf16 units, so 'auto' picks fp32 there and keeps bf16 on GPUs; an explicit value wins."""
     import torch
 
-    from megatron_md.training.trainer import ns_matmul_precision
+    from megatron_md.training.build import ns_matmul_precision
 
     assert resolve("tiny-dense", None, {}).optimizer.muon_fp32_matmul_prec == "auto"
     assert ns_matmul_precision("auto", torch.device("cpu")) == "highest"
