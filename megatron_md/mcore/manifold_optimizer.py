@@ -171,17 +171,16 @@ class MegatronManifoldMuon(MegatronMD):
             self.state[p].update(extra)
 
 
-def _routing(policy: GeometryPolicy):
-    def assignment(p: torch.Tensor):
-        return policy.assign(role_of(getattr(p, "md_key", None) or ""))
+def routes_to_adamw(policy: GeometryPolicy):
+    """Which params the policy leaves to AdamW: 1-D ones and unconstrained Adam-base matrices."""
 
     def to_adamw(p: torch.Tensor) -> bool:
         if p.ndim != 2:
             return True
-        a = assignment(p)
+        a = policy.assign(role_of(getattr(p, "md_key", None) or ""))
         return a.geometry == "none" and a.base == "adam"
 
-    return assignment, to_adamw
+    return to_adamw
 
 
 def build_policy(config: ManifoldOptimizerConfig) -> GeometryPolicy:
@@ -239,7 +238,7 @@ def _config_to_kwargs(config, model_chunks, pg_collection):
 
 def register(config: ManifoldOptimizerConfig) -> GeometryPolicy:
     policy = build_policy(config)
-    _, to_adamw = _routing(policy)
+    to_adamw = routes_to_adamw(policy)
     _EMERGING_OPTIMIZERS["manifold_muon"] = EmergingOptimizerEntry(
         optimizer_cls=MegatronManifoldMuon,
         init_state_fn=_eopt_init_state_fn,

@@ -156,6 +156,12 @@ class MegatronMD(MDOptimizer):
         super().load_state_dict(state_dict)
         for p, gains in kept.items():
             self.state[p].update(gains)
+        # megatron hands every parameter the optimizer's common Adam step on load; only an Adam base
+        # keeps one (else it would be saved, and the checkpoint's keys would change across a resume).
+        for group in self.param_groups:
+            if not isinstance(self.base_for(MDHyperParams.from_group(group)), AdamBase):
+                for p in group["params"]:
+                    self.state.get(p, {}).pop("step", None)
 
 
 def refuse_packed_experts(model_chunks, optimizer: str) -> None:
@@ -171,7 +177,7 @@ def _config_to_kwargs(config, model_chunks, pg_collection):
     return {"config": config, "pg_collection": pg_collection}
 
 
-def _adamw_router(config: MDOptimizerConfig):
+def routes_to_adamw(config: MDOptimizerConfig):
     """Which params MD leaves to AdamW: 1-D ones, learned positions, unconstrained embedding/head."""
     plain = ["position_embeddings.weight"]
     if config.md_embedding_sphere == "none":
@@ -189,7 +195,7 @@ def _adamw_router(config: MDOptimizerConfig):
 def register(config: MDOptimizerConfig | None = None) -> None:
     """Add muon_md and adam_md to megatron-core's optimizer registry (idempotent)."""
     config = config or MDOptimizerConfig()
-    routed = ParamKey(predicate=ParamPredicate(name="md_adamw", fn=_adamw_router(config)))
+    routed = ParamKey(predicate=ParamPredicate(name="md_adamw", fn=routes_to_adamw(config)))
     for name in MD_OPTIMIZERS:
         _EMERGING_OPTIMIZERS[name] = EmergingOptimizerEntry(
             optimizer_cls=MegatronMD,

@@ -17,7 +17,9 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 from megatron.core.optimizer import distrib_optimizer as _distrib
+from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
 
 def walk(optimizer) -> Iterator:
@@ -92,3 +94,36 @@ def after_load(optimizer) -> None:
             for p in group["params"]:
                 if "step" in o.optimizer.state.get(p, {}):
                     o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def layer_wise_groups_from_config(optimizer, sharded: dict) -> dict:
+    """Keep the layer-wise optimizer's param groups out of the checkpoint (in place; returns ``sharded``).
+
+    megatron groups expert matrices apart only when EP > 1, so the number of groups, saved in the
+    checkpoint's common state, depended on the layout, and loading an EP2 checkpoint at EP1 failed in
+    dist_checkpointing's merge ("Cannot merge two lists with different lengths"). Everything in those
+    groups comes from the run's config and the LR schedule (restored with the scheduler), and the
+    per-matrix state is saved by parameter name, so the current groups serve at any layout.
+    """
+
+    def strip(child_sd: dict) -> None:
+        groups = child_sd.get("optimizer", {}).get("param_groups")
+        if isinstance(groups, list):
+            child_sd["optimizer"]["param_groups"] = LocalNonpersistentObject([
+                {**g, "params": g["params"].unwrap() if isinstance(g["params"], LocalNonpersistentObject) else g["params"]}
+                for g in groups
+            ])
+
+    def visit(o, sd) -> None:
+        chained = getattr(o, "chained_optimizers", None)
+        if chained is None:
+            return
+        children = [sd] if len(chained) == 1 else [sd[i] for i in range(len(chained))]
+        for child, child_sd in zip(chained, children):
+            if isinstance(o, LayerWiseDistributedOptimizer):
+                strip(child_sd)
+            else:
+                visit(child, child_sd)
+
+    visit(optimizer, sharded)
+    return sharded

@@ -24,11 +24,15 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model as unwrap
 
-from megatron_md.mcore.optimizer_checkpoint import after_load, has_byte_sharded_state, prepare_for_load
-from megatron_md.training.ckpt_integrity import verify_checkpoint, write_manifest
+from megatron_md.mcore.optimizer_checkpoint import (
+    after_load,
+    has_byte_sharded_state,
+    layer_wise_groups_from_config,
+    prepare_for_load,
+)
+from megatron_md.training.ckpt_integrity import LATEST, iter_dir, latest_iteration, verify_checkpoint, write_manifest
 from megatron_md.training.preemption import maybe_delay_save
 
-LATEST = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
 # megatron's byte-sharded DistributedOptimizer (adam): 'dp_reshardable' writes each rank's buffer
 # shard in parallel and reshards across DP only; 'fully_reshardable' gathers a canonical per-parameter
@@ -72,20 +76,6 @@ def check_optimizer_reshard(root, saved: dict, optimizer) -> None:
         )
 
 
-def iter_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: str | Path) -> int | None:
-    f = Path(root) / LATEST
-    if not f.exists():
-        return None
-    text = f.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{f}: expected an iteration number, found {text!r}")
-    return int(text)
-
-
 def _rng_state() -> dict:
     state = {
         "python": random.getstate(),
@@ -115,9 +105,9 @@ def _sharded_state(
     model_sd = unwrap(model).sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
-        state["optimizer"] = optimizer.sharded_state_dict(
+        state["optimizer"] = layer_wise_groups_from_config(optimizer, optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optim_sharding}
-        )
+        ))
         from megatron_md.mcore.md_checkpoint import has_md, md_sharded_state
 
         if has_md(optimizer):  # MD gains are not parameter-shaped: saved beside megatron's state

@@ -34,7 +34,21 @@ MANIFEST = "checksums.json"
 CHUNK = 8 << 20
 ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 SKIP_FLAG = "--no-verify-checkpoint"
-LATEST = "latest_checkpointed_iteration.txt"  # as in checkpointing.py (which imports this module)
+LATEST = "latest_checkpointed_iteration.txt"  # the root's pointer at its newest complete checkpoint
+
+
+def iter_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    f = Path(root) / LATEST
+    if not f.exists():
+        return None
+    text = f.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{f}: expected an iteration number, found {text!r}")
+    return int(text)
 
 
 class CheckpointCorrupted(ValueError):
@@ -200,8 +214,6 @@ def verify_checkpoint(directory: str | Path) -> bool:
 
 def verify_load(root: str | Path, iteration: int | None = None) -> bool:
     """Verify what ``--load root`` would read (the latest, unless ``iteration``); absent: the loader says."""
-    from megatron_md.training.checkpointing import iter_dir, latest_iteration
-
     if iteration is None:
         iteration = latest_iteration(root)
     if iteration is None or not iter_dir(root, iteration).is_dir():
