@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_md-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-multirank params gpu-smoke bench readme records clean-runs
+.PHONY: setup demo test test-slow test-reshard test-multirank params gpu-smoke bench readme records clean-runs
 
 setup: $(STAMP)
 
@@ -45,3 +45,7 @@ records: $(STAMP)
 
 clean-runs:
 	@echo "runs/ holds your runs and checkpoints; remove it by hand if you mean it."
+
+# The whole save/resume/reshard matrix of the distributed optimizer (tests/training/test_distributed_resume.py).
+test-reshard: $(STAMP)
+	$(PY) -m pytest -m "slow or not slow" tests/training/test_distributed_resume.py $(PYTEST_ARGS)

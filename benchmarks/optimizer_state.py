@@ -99,8 +99,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megatron_md.mcore.md_checkpoint import md_state_bytes
-    from megatron_md.training.trainer import build_optimizer, build_wrapped_model, seed_everything, setup_parallel
-    from megatron_md.training.trainer import vocab_size_for
+    from megatron_md.training.build import build_optimizer, build_wrapped_model, seed_everything, setup_parallel
+    from megatron_md.training.build import vocab_size_for
 
     torch.set_num_threads(1)
     out = {}
@@ -158,24 +158,13 @@ def compare(dp1: list[dict], dpn: list[dict], optimizers: list[str]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    s = result["settings"]
-    mib = 1 / 2**20
-    lines = [
-        f"Per-rank optimizer state, layer-wise distributed optimizer, bf16: `{s['model']}` "
-        f"({s['parameters']:,} parameters), DP1 vs DP{s['dp']} (largest rank), after one step; "
-        f"CPU runtime, `{result['source']}`.",
-        "",
-        f"| optimizer | MD state DP1 (MiB) | MD state DP{s['dp']} max (MiB) | ratio (bound {BOUND}) "
-        f"| all state + fp32 masters DP1 (MiB) | DP{s['dp']} max (MiB) | ratio |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, r in result["results"].items():
-        md1, mdn = r["dp1"]["md_state"], max(x["md_state"] for x in r["dpn"])
-        ratio = f"{r['md_state_ratio']:.3f} ({'met' if r['met'] else 'NOT met'})" if "md_state_ratio" in r else "–"
-        a1, an = r["dp1"]["all_state"], max(x["all_state"] for x in r["dpn"])
-        lines.append(f"| {name} | {md1 * mib:.1f} | {mdn * mib:.1f} | {ratio} | {a1 * mib:.1f} | {an * mib:.1f} "
-                     f"| {r['all_state_ratio']:.3f} |")
-    return "\n".join(lines)
+    """The README table, rendered by tools/render_readme_tables.py (one renderer for both places)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_readme_tables", REPO / "tools" / "render_readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.optimizer_state_markdown(result)
 
 
 def main(argv=None) -> int:
@@ -195,7 +184,7 @@ def main(argv=None) -> int:
         "schema": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "source": out.name,
+        "source": f"benchmarks/results/{out.name}" if out.parent == DEFAULT_OUT.parent else str(out),
         "settings": {"model": args.model, "dp": args.dp, "parameters": dp1[0]["results"][args.optimizers[0]]["parameters"],
                      "optimizers": args.optimizers, "precision": "bf16 params, fp32 masters and state",
                      "distributed_optimizer": "megatron-core LayerWiseDistributedOptimizer"},

@@ -124,6 +124,38 @@ def render_optimizer_step(repo: Path) -> str:
     return "\n\n".join(blocks)
 
 
+def optimizer_state_markdown(result: dict) -> str:
+    """Per-rank optimizer-state bytes, DP1 vs DPn (benchmarks/optimizer_state.py)."""
+    s = result["settings"]
+    mib = 1 / 2**20
+    bound = next((r["bound"] for r in result["results"].values() if "bound" in r), 0.55)
+    lines = [
+        f"Per-rank optimizer state, layer-wise distributed optimizer, bf16: `{s['model']}` "
+        f"({s['parameters']:,} parameters), DP1 vs DP{s['dp']} (largest rank), after one step; "
+        f"CPU runtime, `{result['source']}`.",
+        "",
+        f"| optimizer | MD state DP1 (MiB) | MD state DP{s['dp']} max (MiB) | ratio (bound {bound}) "
+        f"| all state + fp32 masters DP1 (MiB) | DP{s['dp']} max (MiB) | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["results"].items():
+        md1, mdn = r["dp1"]["md_state"], max(x["md_state"] for x in r["dpn"])
+        ratio = f"{r['md_state_ratio']:.3f} ({'met' if r['met'] else 'NOT met'})" if "md_state_ratio" in r else "–"
+        a1, an = r["dp1"]["all_state"], max(x["all_state"] for x in r["dpn"])
+        lines.append(f"| {name} | {md1 * mib:.1f} | {mdn * mib:.1f} | {ratio} | {a1 * mib:.1f} | {an * mib:.1f} "
+                     f"| {r['all_state_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def render_optimizer_state(repo: Path) -> str:
+    blocks = []
+    for path in sorted((repo / "benchmarks" / "results").glob("optimizer_state*.json")):
+        result = json.loads(path.read_text())
+        if result.get("benchmark") == "optimizer_state":
+            blocks.append(optimizer_state_markdown(result))
+    return "\n\n".join(blocks) or "_No results yet: run `python benchmarks/optimizer_state.py`._"
+
+
 # ----------------------------------------------------------------------------- records (CPU experiments)
 
 GEOMETRY = {  # preset -> (attention, MLP), as in ALGORITHMS.md section 3.5
@@ -285,6 +317,7 @@ def with_figures(render_table: Callable[[Path], str], kind: str, pattern: str, a
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "optimizer_step": render_optimizer_step,
+    "optimizer_state": render_optimizer_state,
     "records_claims": render_claims,
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",
                                         "final loss vs LR per width, optimum marked"),
