@@ -63,10 +63,15 @@ def test_watch_records_the_first_signal_and_restores_handlers():
     assert PreemptionWatch(enabled=False).poll() == 0 and signal.getsignal(signal.SIGTERM) != watch._handler
 
 
+# The cluster path: megatron-core's layer-wise distributed optimizer (bf16 only) with MuonMD.
+DISTOPT = ["--optimizer", "muon_md", "--use-distributed-optimizer", "--bf16"]
+
+
 @pytest.mark.multirank
-def test_sigterm_saves_exits_0_and_the_relaunch_continues_identically(tmp_path):
+@pytest.mark.parametrize("opt", [[], DISTOPT], ids=["adam", "muon_md-distopt-bf16"])
+def test_sigterm_saves_exits_0_and_the_relaunch_continues_identically(tmp_path, opt):
     ck, first = tmp_path / "ck", tmp_path / "run-first"
-    proc = _start([*RUN, "--nproc-per-node", "2", "--save", str(ck), "--run-dir", str(first)])
+    proc = _start([*RUN, *opt, "--nproc-per-node", "2", "--save", str(ck), "--run-dir", str(first)])
     _wait_for(lambda: _n_records(first) >= 2, proc, "two logged iterations")
     proc.send_signal(signal.SIGTERM)  # to the launching process, as SLURM or a user would
     out, _ = proc.communicate(timeout=240)
@@ -80,10 +85,11 @@ def test_sigterm_saves_exits_0_and_the_relaunch_continues_identically(tmp_path):
     # The requeued job: same command, --load pointing at the same directory.
     end = stopped + 3
     resumed = tmp_path / "run-resumed"
-    run_cli(["train", *RUN, "--nproc-per-node", "2", "--save", str(ck), "--load", str(ck),
+    run_cli(["train", *RUN, *opt, "--nproc-per-node", "2", "--save", str(ck), "--load", str(ck),
              "--exit-interval", str(end), "--run-dir", str(resumed)])
+    assert int((ck / "latest_checkpointed_iteration.txt").read_text()) == end  # the requeued job saves again
     straight = tmp_path / "run-straight"
-    run_cli(["train", *RUN, "--nproc-per-node", "2", "--exit-interval", str(end), "--run-dir", str(straight)])
+    run_cli(["train", *RUN, *opt, "--nproc-per-node", "2", "--exit-interval", str(end), "--run-dir", str(straight)])
     assert before + _losses(resumed) == _losses(straight)
 
 
