@@ -37,9 +37,13 @@ def walk(optimizer) -> Iterator:
             stack.append(inner)
 
 
+def byte_sharded_optimizers(optimizer) -> int:
+    """How many of megatron's byte-sharded DistributedOptimizers hold part of this optimizer's state."""
+    return sum(isinstance(o, _distrib.DistributedOptimizer) for o in walk(optimizer))
+
+
 def has_byte_sharded_state(optimizer) -> bool:
-    """Whether megatron's byte-sharded DistributedOptimizer holds part of this optimizer's state."""
-    return any(isinstance(o, _distrib.DistributedOptimizer) for o in walk(optimizer))
+    return byte_sharded_optimizers(optimizer) > 0
 
 
 def prepare_for_load(optimizer) -> int:

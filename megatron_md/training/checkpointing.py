@@ -26,6 +26,7 @@ from megatron.core.utils import unwrap_model as unwrap
 
 from megatron_md.mcore.optimizer_checkpoint import (
     after_load,
+    byte_sharded_optimizers,
     has_byte_sharded_state,
     layer_wise_groups_from_config,
     prepare_for_load,
@@ -60,12 +61,21 @@ def describe_layout(layout: dict) -> str:
 
 
 def check_optimizer_reshard(root, saved: dict, optimizer) -> None:
-    """Refuse, before reading any tensor, a byte-sharded optimizer state saved at another TP/PP/EP layout."""
-    if saved.get("optim_sharding", DP_RESHARDABLE) != DP_RESHARDABLE or not has_byte_sharded_state(optimizer):
-        return
+    """Refuse, before reading any tensor, byte-sharded optimizer state this layout cannot take."""
     layout, now = saved.get("layout"), current_layout()
-    if layout is None:
+    if layout is None or not has_byte_sharded_state(optimizer):
         return  # saved before layouts were recorded: megatron itself reports a mismatch
+    count = saved.get("byte_sharded_optimizers")
+    if count is not None and count != byte_sharded_optimizers(optimizer):
+        raise CheckpointMismatch(
+            f"--load {root}: the distributed Adam state was saved at {describe_layout(layout)} by {count} "
+            f"byte-sharded optimizer(s); this run ({describe_layout(now)}) has {byte_sharded_optimizers(optimizer)} "
+            "(megatron-core keeps expert parameters in an optimizer of their own only when EP > 1), and megatron "
+            "cannot map the state between them. Resume at the saved EP size, or pass --no-load-optim to keep the "
+            "weights and start the optimizer afresh."
+        )
+    if saved.get("optim_sharding", DP_RESHARDABLE) != DP_RESHARDABLE:
+        return
     if any(layout.get(k) != now[k] for k in ("tp", "pp", "ep", "etp")):
         raise CheckpointMismatch(
             f"--load {root}: the distributed Adam state was saved at {describe_layout(layout)} in the "
@@ -100,14 +110,18 @@ def _set_rng_state(state: dict) -> None:
 
 def _sharded_state(
     model, optimizer, *, is_loading: bool, with_optim: bool, with_rng: bool, layer_wise: bool = False,
-    optim_sharding: str = DP_RESHARDABLE,
+    optim_sharding: str = DP_RESHARDABLE, avoid_prefix: bool = True,
 ) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if with_optim:
-        state["optimizer"] = layer_wise_groups_from_config(optimizer, optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optim_sharding}
-        ))
+        # avoid_prefix (Megatron-LM's choice for new checkpoints): per-parameter optimizer state is keyed
+        # by parameter name alone, not also by the optimizer's position in the chain, which changes with
+        # the layout (megatron chains expert params apart only when EP > 1).
+        metadata = {"distrib_optim_sharding_type": optim_sharding, "chained_optim_avoid_prefix": avoid_prefix}
+        state["optimizer"] = layer_wise_groups_from_config(
+            optimizer, optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+        )
         from megatron_md.mcore.md_checkpoint import has_md, md_sharded_state
 
         if has_md(optimizer):  # MD gains are not parameter-shaped: saved beside megatron's state
@@ -154,6 +168,8 @@ def save_checkpoint(
         iteration=iteration,
         layout=current_layout(),
         optim_sharding=optim_sharding,
+        optim_avoid_prefix=True,
+        byte_sharded_optimizers=byte_sharded_optimizers(optimizer),
         consumed_samples=consumed_samples,
         scheduler=scheduler.state_dict(),
         world_size=dist.get_world_size(),
@@ -213,6 +229,7 @@ def load_checkpoint(
     state = _sharded_state(
         model, optimizer, is_loading=True, with_optim=with_optim, with_rng=load_rng and same_world,
         layer_wise=layer_wise, optim_sharding=common.get("optim_sharding", DP_RESHARDABLE),
+        avoid_prefix=common.get("optim_avoid_prefix", False),  # checkpoints from before it was recorded
     )
     if with_optim and "md" in state and not common.get("has_md", False):
         raise CheckpointMismatch(

@@ -22,6 +22,7 @@ one representative per mechanism.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mdtest import QUIET, run_cli, train_records
 
@@ -78,8 +79,9 @@ def _close(resumed, straight, rel=1e-5):
 def _flat(tree, prefix=""):
     """{dotted key: tensor} of a nested dict of tensors."""
     out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for k, v in items:
+        if isinstance(v, (dict, list, tuple)):
             out.update(_flat(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -100,7 +102,10 @@ def _roundtrip_through(tmp_path, ck, opt, layout, model="tiny-dense"):
     assert set(before) == set(after), sorted(set(before) ^ set(after))[:10]
     kinds = {k.split("/")[0].split(".")[0] for k in before}
     assert {"optimizer", "decoder", "embedding"} <= kinds, kinds
-    changed = [k for k in before if not (before[k].shape == after[k].shape and before[k].equal(after[k]))]
+    tensors = [k for k in before if isinstance(before[k], torch.Tensor)]
+    assert len(tensors) > 20, tensors
+    changed = [k for k in tensors if not (before[k].shape == after[k].shape and before[k].equal(after[k]))]
+    changed += [k for k in before if k not in tensors and not k.startswith("layout.") and before[k] != after[k]]
     assert not changed, changed
 
 
@@ -138,8 +143,7 @@ def test_state_survives_a_tp2_reshard_bit_for_bit(tmp_path, opt, mcore_world):
 
 
 @pytest.mark.parametrize(
-    "opt", ["muon_md", pytest.param("adam", marks=pytest.mark.slow), pytest.param("adam_md", marks=pytest.mark.slow),
-            pytest.param("muon", marks=pytest.mark.slow)]
+    "opt", ["muon_md", pytest.param("adam_md", marks=pytest.mark.slow), pytest.param("muon", marks=pytest.mark.slow)]
 )
 def test_moe_state_survives_ep2_to_ep1_bit_for_bit(tmp_path, opt, mcore_world):
     """EP2 -> EP1 regroups megatron's expert param groups; every tensor must still come through."""
@@ -159,3 +163,14 @@ def test_dp_reshardable_adam_at_another_tp_is_refused(tmp_path):
     assert "megatron-md train: error: --load" in err  # a message, not a crash inside the load
     after = sorted((p.relative_to(ck), p.stat().st_size) for p in ck.rglob("*") if p.is_file())
     assert before == after  # a refused load touches nothing
+
+
+@pytest.mark.slow
+def test_distributed_adam_moe_at_another_ep_is_refused(tmp_path):
+    """megatron keeps expert params in an Adam of their own only at EP > 1: no mapping, a clear refusal."""
+    _, ck = _source(tmp_path, "adam", "ep2", model="tiny-moe", extra=FULLY)
+    proc = run_cli(["train", "--model", "tiny-moe", *BASE, *OPTIMIZERS["adam"], *LAYOUTS["dp2"], *FULLY,
+                    "--load", str(ck), "--run-dir", str(tmp_path / "refused")], check=False)
+    assert proc.returncode != 0
+    assert "megatron-md train: error: --load" in proc.stderr and "EP2" in proc.stderr, proc.stderr[-3000:]
+    assert "--no-load-optim" in proc.stderr
