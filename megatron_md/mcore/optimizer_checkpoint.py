@@ -1,4 +1,4 @@
-"""What megatron-core's optimizers need before a torch_dist load, and who owns which matrix.
+"""Around a torch_dist save and load: what megatron-core 0.19's optimizers need that they do not do themselves.
 
 megatron-core 0.19's ``DistributedOptimizer`` builds its loading state dict from the inner optimizer's
 own ``state_dict()``. Without Apex or Transformer Engine (any CPU run, and GPU installs without
