@@ -268,7 +268,9 @@ def test_cli_refuses_with_a_clear_message(runs, tmp_path):
     data["model"]["sandwich_norm"] = True
     data["model"]["qk_layernorm"] = False
     rc.write_text(yaml.safe_dump(data))
-    proc = convert(["export", "--load", str(ck), "--output", str(tmp_path / "hf")], check=False)
+    # run_config.yaml was edited by hand above, so its checksum no longer matches: skip that check here.
+    proc = convert(["export", "--load", str(ck), "--output", str(tmp_path / "hf"), "--no-verify-checkpoint"],
+                   check=False)
     assert proc.returncode == 2
     assert "model.sandwich_norm (--sandwich-norm): sandwich norm maps to Gemma3" in proc.stderr
     assert not (tmp_path / "hf" / "config.json").exists()
