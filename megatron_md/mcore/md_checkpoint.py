@@ -17,6 +17,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_md.mcore import naming
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
+from megatron_md.mcore.optimizer_checkpoint import children
 
 DUAL_KEYS = ("dual", "dual_q", "dual_k", "dual_v")
 
@@ -39,20 +40,12 @@ def tag_md_params(model) -> None:
         p.md_swiglu = naming.is_swiglu_fc1(p.md_key, gpt.config.gated_linear_unit)
 
 
-def _children(o) -> list:
-    chained = getattr(o, "chained_optimizers", None)
-    if chained:  # ChainedOptimizer.optimizer asserts when it holds several
-        return list(chained)
-    inner = o.__dict__.get("optimizer")
-    return [inner] if inner is not None and inner is not o else []
-
-
 def md_wrappers(optimizer) -> list:
     """(megatron wrapper, MegatronMD) pairs inside chained / wrapped / layer-wise optimizers."""
     found, stack = [], [optimizer]
     while stack:
         o = stack.pop()
-        for child in _children(o):
+        for child in children(o):
             if isinstance(child, MegatronMD):
                 found.append((o, child))
             else:
@@ -183,7 +176,7 @@ def sync_model_params(optimizer) -> None:
         o = stack.pop()
         if getattr(o, "dp_cp_params_list", None) is not None and hasattr(o, "broadcast_params"):
             o.broadcast_params()
-        stack += _children(o)
+        stack += children(o)
 
 
 def md_state_bytes(optimizer) -> dict[str, int]:

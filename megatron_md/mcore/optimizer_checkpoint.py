@@ -22,19 +22,22 @@ from megatron.core.optimizer import distrib_optimizer as _distrib
 from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
 
+def children(o) -> list:
+    """The optimizers directly inside a megatron chained / wrapped optimizer."""
+    chained = getattr(o, "chained_optimizers", None)
+    if chained:  # ChainedOptimizer.optimizer asserts when it holds several
+        return list(chained)
+    inner = o.__dict__.get("optimizer")
+    return [inner] if inner is not None and inner is not o else []
+
+
 def walk(optimizer) -> Iterator:
-    """Every optimizer object inside megatron's chained / wrapped / layer-wise optimizers (pre-order)."""
+    """Every optimizer object inside megatron's chained / wrapped / layer-wise optimizers."""
     stack = [optimizer]
     while stack:
         o = stack.pop()
         yield o
-        chained = getattr(o, "chained_optimizers", None)
-        if chained:  # ChainedOptimizer.optimizer asserts when it holds several
-            stack += list(chained)
-            continue
-        inner = o.__dict__.get("optimizer")
-        if inner is not None and inner is not o:
-            stack.append(inner)
+        stack += children(o)
 
 
 def byte_sharded_optimizers(optimizer) -> int:
