@@ -1,0 +1,604 @@
+"""GPU benchmark of the trainer on one device: throughput, MFU, optimizer-step time, memory, MoE, resume.
+
+Sections, each in its own process (a crash or an out-of-memory loses that section only), each
+written to the JSON as soon as it ends (a run cut short keeps what finished):
+
+- ``gemm``: a large bf16 matrix product, the achieved peak that MFU is also quoted against;
+- ``train_<optimizer>``: ``--preset`` (default ``dense-181m``, vocab 131072) at ``--seq-length`` 4096,
+  bf16, mock data, through ``megatron_md.training.trainer.Trainer`` built from ``megatron-md train``
+  flags; forward+backward and ``optimizer.step()`` are timed apart with ``torch.cuda.synchronize``
+  (the trainer's metrics.jsonl logs only whole iterations);
+- ``save_resume``: ``megatron-md train`` three times (2N straight; N then save; resume N more) and the
+  resumed losses compared with the straight run's;
+- ``moe_<optimizer>``: a small MoE (``--moe-preset``) with ``--moe-grouped-gemm`` (TE's TEGroupedMLP;
+  without Transformer Engine megatron-core 0.19 builds SequentialMLP: recorded, not hidden).
+
+A time guard keeps the whole run inside ``--budget-s``: each section gets a timeout (its cap, less
+what later sections need at least), a training worker stops iterating before its timeout, and
+SIGTERM writes the JSON before exiting.
+
+    bash tools/gpu_bench.sh                                  # wheels, CUDA/TE checks, then this script
+    python benchmarks/gpu_bench.py --out runs/gpu_bench/gpu_bench.json --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = 1
+DENSE_OPTIMIZERS = ("adam", "muon", "muon_md", "manifold_muon")
+OPTIMIZER_FLAGS = {"manifold_muon": ["--geometry", "hetero"]}
+# Dense bf16 tensor-core peak without sparsity, from NVIDIA's data sheets; first match of the name wins.
+PEAK_BF16_TFLOPS = (("H200", 989.4), ("GH200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0))
+FLOPS_FORMULA = (
+    "model FLOPs per token = 6*N + 12*L*H*s; N = active parameters minus the input embedding (the LM head "
+    "is a matmul and counts), L = layers, H = attention heads x head dim, s = sequence length; the causal "
+    "mask is not discounted; model TFLOP/s = FLOPs per token x tokens/s"
+)
+# Seconds: (cap, floor). A section's timeout is its cap, cut to leave later sections their floors.
+BUDGET = {"gemm": (45, 20), "train": (90, 45), "save_resume": (150, 90), "moe": (80, 45)}
+SECTIONS = ("gemm", "train", "save_resume", "moe")
+PACKED_EXPERTS = "packs every local expert"  # MD's refusal of packed expert weights (mcore/naming.py)
+
+
+class Interrupted(Exception):
+    """SIGTERM (the outer timeout): write what we have and stop."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    a = ap.add_argument
+    a("--out", default="runs/gpu_bench/gpu_bench.json", help="results JSON (rewritten after every section)")
+    a("--log", help="every section's output (default: gpu_bench.log beside --out)")
+    a("--work-dir", help="run directories and the checkpoint (default: a temporary directory, removed)")
+    a("--budget-s", type=float, default=420.0, help="wall-clock budget of all sections together")
+    a("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
+    a("--steps", type=int, default=30, help="training iterations per optimizer, warmup included")
+    a("--warmup", type=int, default=5, help="first iterations left out of the medians")
+    a("--preset", default="dense-181m")
+    a("--seq-length", type=int, default=4096)
+    a("--micro-batch-size", type=int, default=4)
+    a("--optimizers", default=",".join(DENSE_OPTIMIZERS))
+    a("--moe-preset", default="moe-0.9b")
+    a("--moe-seq-length", type=int, default=4096)
+    a("--moe-micro-batch-size", type=int, default=2)
+    a("--moe-steps", type=int, default=20)
+    a("--moe-optimizers", default="adam,muon_md", help="muon_md falls back to muon if MD refuses packed experts")
+    a("--resume-optimizer", default="muon_md")
+    a("--resume-iters", type=int, default=3, help="N: iterations before the save and after the resume")
+    a("--resume-seq-length", type=int, default=1024)
+    a("--gemm-sizes", default="4096,8192,16384")
+    a("--peak-tflops", type=float, help="bf16 dense peak to quote MFU against (default: from the device name)")
+    a("--allow-cpu", action="store_true", help="testing aid: run the sections on the CPU runtime (fp32); "
+      "pair with tiny presets; the numbers are no benchmark")
+    a("--worker", choices=["gemm", "train"], help=argparse.SUPPRESS)
+    a("--spec", help=argparse.SUPPRESS)
+    a("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in args.sections if s not in SECTIONS]
+    if bad:
+        ap.error(f"--sections: unknown {bad}; choose from {','.join(SECTIONS)}")
+    if args.steps < 2 or not 0 <= args.warmup < args.steps or args.resume_iters < 1:
+        ap.error("--steps >= 2, 0 <= --warmup < --steps, --resume-iters >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------- workers (one process each)
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def worker_gemm(spec: dict) -> dict:
+    import torch
+
+    cuda = spec["device"] == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows = []
+    for n in spec["sizes"]:
+        a = torch.randn(n, n, device=spec["device"], dtype=dtype)
+        b = torch.randn(n, n, device=spec["device"], dtype=dtype)
+        c = torch.empty(n, n, device=spec["device"], dtype=dtype)
+        for _ in range(3):
+            torch.matmul(a, b, out=c)
+        _sync(cuda)
+        t0 = time.perf_counter()
+        for _ in range(spec["reps"]):
+            torch.matmul(a, b, out=c)
+        _sync(cuda)
+        s = (time.perf_counter() - t0) / spec["reps"]
+        rows.append({"n": n, "ms": s * 1e3, "tflops": 2 * n**3 / s / 1e12})
+        del a, b, c
+    best = max(rows, key=lambda r: r["tflops"])
+    return {"status": "ok", "dtype": str(dtype).replace("torch.", ""), "reps": spec["reps"],
+            "sizes": rows, "best_tflops": best["tflops"], "best_n": best["n"]}
+
+
+def flops_per_token(m, vocab: int, active: int) -> tuple[int, float]:
+    """(N, FLOPs per token) as FLOPS_FORMULA says."""
+    input_embedding = vocab * m.hidden_size if m.untie_embeddings_and_output_weights else 0
+    if m.position_embedding_type == "learned_absolute":
+        input_embedding += m.max_position_embeddings * m.hidden_size
+    n = active - input_embedding
+    return n, 6.0 * n + 12.0 * m.num_layers * m.num_attention_heads * m.kv_channels * m.seq_length
+
+
+def worker_train(spec: dict) -> dict:
+    """Build the trainer from ``megatron-md train`` flags and run it, timing every phase of every step."""
+    import torch
+
+    from megatron_md.cli import _train_parser, quiet_megatron
+
+    quiet_megatron()
+    from megatron_md.models.presets import count_parameters
+    from megatron_md.runtime.distributed import destroy_distributed
+    from megatron_md.training import config as C
+    from megatron_md.training.build import with_vocab
+    from megatron_md.training.checkpointing import unwrap
+    from megatron_md.training.trainer import Trainer
+
+    t_start = time.perf_counter()
+    args = vars(_train_parser().parse_args(spec["argv"]))
+    args.pop("config", None)
+    cfg = C.resolve(None, None, args)
+    cuda = cfg.training.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(cfg)
+    build_s = time.perf_counter() - t_start
+    rows, cur = [], {}
+    fwd_bwd, opt_step, train_step = trainer.forward_backward, trainer.optimizer.step, trainer.train_step
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            # Cheap: the trainer itself syncs right after forward/backward (loss .item()) and before the
+            # step (finiteness flag); the sync after the step keeps its tail out of the next iteration.
+            _sync(cuda)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            _sync(cuda)
+            cur[key] = time.perf_counter() - t0
+            return out
+        return wrapper
+
+    def step_and_record():
+        cur.clear()
+        loss, grad_norm, ok = timed(train_step, "iter")()
+        rows.append({"iter": cur["iter"], "fwd_bwd": cur.get("fwd_bwd"), "step": cur.get("step"),
+                     "loss": loss, "ok": ok})
+        if time.time() > spec["stop_at"] and len(rows) < cfg.training.train_iters:
+            cfg.training.train_iters = trainer.state.iteration + 1  # the loop ends after this iteration
+        return loss, grad_norm, ok
+
+    trainer.forward_backward = timed(fwd_bwd, "fwd_bwd")  # evaluate() goes through it too: not recorded
+    trainer.optimizer.step = timed(opt_step, "step")
+    trainer.train_step = step_and_record
+    try:
+        trainer.train()
+    finally:
+        destroy_distributed()
+    if not rows:
+        raise RuntimeError("no training iteration ran")
+    warmup = spec["warmup"] if len(rows) > spec["warmup"] else min(1, len(rows) - 1)
+    timed_rows = rows[warmup:]
+    m = cfg.model
+    counts = count_parameters(with_vocab(m, trainer.vocab))
+    n_flops, per_token = flops_per_token(m, trainer.vocab, counts.active)
+    tokens_per_iter = trainer.gbs * m.seq_length
+    tokens_per_s = tokens_per_iter * len(timed_rows) / sum(r["iter"] for r in timed_rows)
+    it_ms, fb_ms, st_ms = (_median(r[k] for r in timed_rows) for k in ("iter", "fwd_bwd", "step"))
+    it_ms, fb_ms = it_ms * 1e3, fb_ms * 1e3
+    st_ms = st_ms * 1e3 if st_ms is not None else None
+    model = unwrap(trainer.model)
+    experts = next((type(mod).__name__ for name, mod in model.named_modules() if name.endswith("mlp.experts")), None)
+    metrics = Path(cfg.logging.run_dir) / "metrics.jsonl"
+    logged = [json.loads(line) for line in metrics.read_text().splitlines() if '"lm_loss"' in line] \
+        if metrics.exists() else []
+    losses = [r["loss"] for r in rows if r["loss"] is not None]
+    return {
+        "status": "ok",
+        "stopped_early": len(rows) < spec["steps"],
+        "model": {"preset": cfg.preset, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                  "num_attention_heads": m.num_attention_heads, "num_query_groups": m.num_query_groups,
+                  "kv_channels": m.kv_channels, "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": trainer.vocab,
+                  "num_experts": m.num_experts, "moe_router_topk": m.moe_router_topk if m.num_experts else None,
+                  "moe_ffn_hidden_size": m.moe_ffn_hidden_size, "parameters_total": counts.total,
+                  "parameters_active": counts.active, "parameters_flops": n_flops},
+        "layer_spec": "transformer_engine" if getattr(model, "megatron_md_uses_te", False) else "local",
+        "experts_module": experts,
+        "moe_grouped_gemm": bool(getattr(trainer.tconfig, "moe_grouped_gemm", False)) if m.num_experts else None,
+        "seq_length": m.seq_length, "micro_batch_size": cfg.training.micro_batch_size,
+        "global_batch_size": trainer.gbs, "tokens_per_iter": tokens_per_iter,
+        "iterations": len(rows), "warmup": warmup, "timed_iterations": len(timed_rows),
+        "skipped_steps": sum(1 for r in rows if not r["ok"]),
+        "iter_ms": it_ms, "fwd_bwd_ms": fb_ms, "optimizer_step_ms": st_ms,
+        "other_ms": it_ms - fb_ms - (st_ms or 0.0),
+        "optimizer_step_share": st_ms / it_ms if st_ms is not None else None,
+        "tokens_per_s": tokens_per_s, "flops_per_token": per_token, "model_tflops": per_token * tokens_per_s / 1e12,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "times_ms": {k: [None if r[k] is None else round(r[k] * 1e3, 3) for r in rows] for k in ("iter", "fwd_bwd", "step")},
+        "logged_last": {k: logged[-1].get(k) for k in ("iteration", "lm_loss", "tokens_per_s", "iter_time_ms")}
+        if logged else None,
+        "build_s": build_s,
+    }
+
+
+def run_worker(args) -> int:
+    spec = json.loads(args.spec)
+    try:
+        result = (worker_gemm if args.worker == "gemm" else worker_train)(spec)
+    except BaseException as e:  # noqa: BLE001 (recorded, the driver decides)
+        result = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:2000],
+                  "traceback": traceback.format_exc()[-4000:]}
+    Path(args.result).write_text(json.dumps(result, indent=1))
+    return 0 if result["status"] == "ok" else 1
+
+
+# ----------------------------------------------------------------------------- the driver
+
+def peak_for(name: str) -> float | None:
+    return next((tf for key, tf in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(cuda: bool) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "megatron_core": _version("megatron-core"), "emerging_optimizers": _version("emerging-optimizers"),
+            "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
+            "transformer_engine_found": importlib.util.find_spec("transformer_engine") is not None,
+            "hostname": platform.node(), "cpus": os.cpu_count()}
+    if cuda:
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=p.name, device_count=torch.cuda.device_count(), capability=f"{p.major}.{p.minor}",
+                    memory_gib=p.total_memory / 2**30, multiprocessors=p.multi_processor_count)
+    else:
+        info.update(device="cpu", device_count=0)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+        info["repo_commit"] = {"commit": head, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        info["repo_commit"] = None
+    return info
+
+
+class Bench:
+    def __init__(self, args, cuda: bool):
+        self.args, self.cuda = args, cuda
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + args.budget_s
+        self.out = Path(args.out)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(args.log) if args.log else self.out.with_name("gpu_bench.log")
+        self.log = open(self.log_path, "a", buffering=1)
+        self.own_work = args.work_dir is None
+        self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu_bench-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        machine = machine_info(cuda)
+        peak = args.peak_tflops or (peak_for(machine["device"]) if cuda else None)
+        self.result = {
+            "benchmark": "gpu_bench", "schema": SCHEMA, "status": "running",
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine,
+            "settings": {"budget_s": args.budget_s, "steps": args.steps, "warmup": args.warmup,
+                         "precision": "bf16 parameters, fp32 master weights and gradients (megatron DDP)"
+                         if cuda else "fp32 (CPU testing aid, not a benchmark)",
+                         "device": "cuda" if cuda else "cpu", "sections": args.sections,
+                         "timing": "torch.cuda.synchronize before and after the iteration, forward+backward "
+                                   "and optimizer.step(); tokens/s over the timed iterations' total time; "
+                                   "milliseconds are medians over the timed iterations"},
+            "flops": {"formula": FLOPS_FORMULA},
+            "peak": {"spec_tflops": peak, "spec_source": None if peak is None else
+                     ("--peak-tflops" if args.peak_tflops else f"NVIDIA data sheet, dense bf16 without sparsity, "
+                      f"for '{machine['device']}'"), "measured_gemm_tflops": None},
+            "sections": {},
+        }
+
+    # -- plumbing
+
+    def write(self) -> None:
+        tmp = self.out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.result, indent=1) + "\n")
+        os.replace(tmp, self.out)
+
+    def say(self, msg: str) -> None:
+        line = f"[gpu_bench {time.perf_counter() - self.t0:5.0f}s] {msg}"
+        print(line, flush=True)
+        self.log.write(line + "\n")
+
+    def remaining(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def timeout_for(self, kind: str, later: list[str]) -> float:
+        cap, floor = BUDGET[kind]
+        return max(min(cap, self.remaining() - sum(BUDGET[k][1] for k in later)), min(floor, self.remaining()))
+
+    def spawn(self, cmd: list[str], timeout: float) -> tuple[int | None, str]:
+        """Run ``cmd`` with its output in the log; (exit code or None on timeout, its output's tail)."""
+        self.log.write(f"$ {' '.join(cmd)}\n")
+        self.log.flush()
+        start = self.log_path.stat().st_size
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        try:
+            rc = self.proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if self.proc.poll() is None:
+                self.kill()
+            self.proc = None
+        self.log.flush()
+        with open(self.log_path) as f:
+            f.seek(start)
+            tail = f.read()[-3000:]
+        return rc, tail
+
+    def kill(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):  # short: the outer timeout kills us soon
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait)
+                return
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+
+    def worker(self, kind: str, spec: dict, timeout: float) -> dict:
+        result_path = self.work / f"result-{len(self.result['sections'])}.json"
+        result_path.unlink(missing_ok=True)
+        # Wall-clock time at which a training worker stops iterating: room left for its final eval and exit.
+        spec = dict(spec, device="cuda" if self.cuda else "cpu", stop_at=time.time() + max(timeout - 20, timeout * 0.6))
+        rc, tail = self.spawn([sys.executable, str(Path(__file__).resolve()), "--worker", kind,
+                               "--spec", json.dumps(spec), "--result", str(result_path)], timeout)
+        if result_path.exists():
+            return json.loads(result_path.read_text())
+        if rc is None:
+            return {"status": "timeout", "error": f"killed after its {timeout:.0f} s timeout", "log_tail": tail}
+        return {"status": "failed", "error": f"worker exited {rc} without a result", "log_tail": tail}
+
+    def section(self, name: str, budget: str, later: list[str], fn, meta: dict) -> dict:
+        if self.remaining() < 15:
+            sec = {"status": "skipped", "error": "out of time (--budget-s)", **meta}
+            self.result["sections"][name] = sec
+            self.say(f"{name}: skipped, out of time")
+            return sec
+        timeout = self.timeout_for(budget, later)
+        self.result["sections"][name] = {"status": "running", "timeout_s": timeout, **meta}
+        self.write()
+        self.say(f"{name}: starting (timeout {timeout:.0f} s)")
+        t0 = time.perf_counter()
+        try:
+            sec = fn(timeout)
+        except Interrupted:
+            sec = {"status": "interrupted", "error": "SIGTERM (outer timeout) during this section"}
+            raise
+        except Exception as e:  # noqa: BLE001 (one section's failure must not lose the others)
+            sec = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        finally:
+            if "sec" in locals():
+                sec = {**meta, **sec, "timeout_s": timeout, "wall_s": time.perf_counter() - t0}
+                self.result["sections"][name] = sec
+                self.write()
+        extra = f" ({sec.get('error', '')[:300]})" if sec["status"] != "ok" else ""
+        self.say(f"{name}: {sec['status']} in {sec['wall_s']:.0f} s{extra}")
+        return sec
+
+    # -- sections
+
+    def train_argv(self, preset, optimizer, seq, mbs, iters, run_dir, extra=()) -> list[str]:
+        return ["--model", preset, "--optimizer", optimizer, *OPTIMIZER_FLAGS.get(optimizer, []), "--mock-data",
+                "--device", "cuda" if self.cuda else "cpu", *(["--bf16"] if self.cuda else []),
+                "--seq-length", str(seq), "--micro-batch-size", str(mbs), "--train-iters", str(iters),
+                "--log-interval", "10", "--eval-iters", "1", "--diagnostics-interval", "0", "--no-progress-bar",
+                "--wandb-mode", "disabled", "--run-dir", str(run_dir), *extra]
+
+    def train(self, name, preset, optimizer, seq, mbs, steps, extra=()):
+        argv = self.train_argv(preset, optimizer, seq, mbs, steps, self.work / name, extra)
+
+        def fn(timeout):
+            r = self.worker("train", {"argv": argv, "steps": steps, "warmup": self.args.warmup}, timeout)
+            self.add_mfu(r)
+            return {"command": "megatron-md train " + " ".join(argv), **r}
+        return fn
+
+    def add_mfu(self, r: dict) -> None:
+        if r.get("status") != "ok":
+            return
+        peak = self.result["peak"]
+        r["mfu_spec"] = r["model_tflops"] / peak["spec_tflops"] if peak["spec_tflops"] else None
+        gemm = peak["measured_gemm_tflops"]
+        r["mfu_gemm"] = r["model_tflops"] / gemm if gemm else None
+
+    def gemm(self, timeout):
+        sizes = [int(s) for s in self.args.gemm_sizes.split(",")] if self.cuda else [256, 512]
+        r = self.worker("gemm", {"sizes": sizes, "reps": 20}, timeout)
+        if r.get("status") == "ok":
+            self.result["peak"]["measured_gemm_tflops"] = r["best_tflops"]
+            self.result["peak"]["measured_gemm"] = f"{r['dtype']} {r['best_n']}^3 torch.matmul, mean of {r['reps']}"
+        return r
+
+    def save_resume(self, timeout):
+        a, n = self.args, self.args.resume_iters
+        stop = time.perf_counter() + timeout
+        root = self.work / "save_resume"
+        ck = root / "checkpoint"
+        shutil.rmtree(root, ignore_errors=True)
+        mbs = a.micro_batch_size
+        plan = [("straight", []), ("saved", ["--save", str(ck), "--exit-interval", str(n)]),
+                ("resumed", ["--load", str(ck)])]
+        sec = {"optimizer": a.resume_optimizer, "preset": a.preset, "seq_length": a.resume_seq_length,
+               "micro_batch_size": mbs, "iters_before_save": n, "iters_after_resume": n, "runs": {}}
+        losses = {}
+        try:
+            for name, extra in plan:
+                argv = self.train_argv(a.preset, a.resume_optimizer, a.resume_seq_length, mbs, 2 * n, root / name,
+                                       ["--log-interval", "1", *extra])
+                t0 = time.perf_counter()
+                rc, tail = self.spawn([sys.executable, "-m", "megatron_md.cli", "train", *argv],
+                                      stop - time.perf_counter())
+                sec["runs"][name] = {"rc": rc, "wall_s": time.perf_counter() - t0,
+                                     "command": "megatron-md train " + " ".join(argv)}
+                if rc != 0:
+                    status = "timeout" if rc is None else "failed"
+                    last = (tail.strip().splitlines() or [""])[-1][:500]
+                    return {**sec, "status": status, "error": f"{name} run: " + (
+                        "timed out" if rc is None else f"exit {rc}: {last}"), "log_tail": tail}
+                metrics = (root / name / "metrics.jsonl").read_text().splitlines()
+                losses[name] = {r["iteration"]: r["lm_loss"] for r in map(json.loads, metrics)
+                                if r.get("lm_loss") is not None}
+                if name == "saved":
+                    sec["checkpoint_bytes"] = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
+        finally:
+            shutil.rmtree(ck, ignore_errors=True)  # gigabytes at the real shape
+        its = list(range(n + 1, 2 * n + 1))
+        straight = [losses["straight"].get(i) for i in its]
+        resumed = [losses["resumed"].get(i) for i in its]
+        sec.update(losses_straight=straight, losses_resumed=resumed,
+                   saved_last_iteration=max(losses["saved"], default=None))
+        if None in straight or None in resumed or sec["saved_last_iteration"] != n:
+            return {**sec, "status": "failed", "error": f"expected losses of iterations {its} and a save at {n}; "
+                    f"got saved run up to {sec['saved_last_iteration']}, resumed {sorted(losses['resumed'])}"}
+        diffs = [abs(x - y) for x, y in zip(straight, resumed)]
+        sec.update(max_abs_diff=max(diffs), max_rel_diff=max(d / max(abs(x), 1e-12) for d, x in zip(diffs, straight)),
+                   bit_identical=straight == resumed, tolerance_rel=1e-3)
+        sec["losses_match"] = sec["max_rel_diff"] <= sec["tolerance_rel"]
+        if not sec["losses_match"]:
+            return {**sec, "status": "mismatch",
+                    "error": f"resumed losses differ from the straight run's by rel {sec['max_rel_diff']:.2e}"}
+        return {**sec, "status": "ok"}
+
+    def moe(self, name, optimizer):
+        a = self.args
+        train = self.train(name, a.moe_preset, optimizer, a.moe_seq_length, a.moe_micro_batch_size, a.moe_steps,
+                           ["--moe-grouped-gemm"])
+
+        def fn(timeout):
+            stop = time.perf_counter() + timeout
+            r = train(timeout)
+            if optimizer in ("muon_md", "adam_md") and PACKED_EXPERTS in r.get("error", ""):
+                fallback = self.train(name + "_muon", a.moe_preset, "muon", a.moe_seq_length, a.moe_micro_batch_size,
+                                      a.moe_steps, ["--moe-grouped-gemm"])(stop - time.perf_counter())
+                return {**fallback, "optimizer": "muon", "note": f"{optimizer} refused the packed experts "
+                        f"({r['error'][:300]}); ran muon instead"}
+            return r
+        return fn
+
+    # -- the run
+
+    def run(self) -> dict:
+        a = self.args
+        plan = []
+        if "gemm" in a.sections:
+            plan.append(("gemm", "gemm", self.gemm, {"kind": "gemm"}))
+        if "train" in a.sections:
+            for opt in [o for o in a.optimizers.split(",") if o]:
+                plan.append((f"train_{opt}", "train",
+                             self.train(f"train_{opt}", a.preset, opt, a.seq_length, a.micro_batch_size, a.steps),
+                             {"kind": "train", "preset": a.preset, "optimizer": opt}))
+        if "save_resume" in a.sections:
+            plan.append(("save_resume", "save_resume", self.save_resume, {"kind": "save_resume"}))
+        if "moe" in a.sections:
+            for opt in [o for o in a.moe_optimizers.split(",") if o]:
+                plan.append((f"moe_{opt}", "moe", self.moe(f"moe_{opt}", opt),
+                             {"kind": "moe", "preset": a.moe_preset, "optimizer": opt}))
+        try:
+            for i, (name, kind, fn, meta) in enumerate(plan):
+                self.section(name, kind, [k for _, k, _, _ in plan[i + 1:]], fn, meta)
+        except Interrupted:
+            self.kill()
+            self.say("SIGTERM: writing the sections finished so far")
+        finally:
+            secs = self.result["sections"]
+            for name, _, _, meta in plan:
+                secs.setdefault(name, {**meta, "status": "skipped", "error": "not reached (interrupted)"})
+                if secs[name]["status"] == "running":
+                    secs[name].update(status="interrupted", error="the run stopped during this section")
+            ok = all(s["status"] == "ok" for s in secs.values())
+            self.result["status"] = "ok" if ok else "partial"
+            self.result["wall_s"] = time.perf_counter() - self.t0
+            self.write()
+            self.log.close()
+            if self.own_work:
+                shutil.rmtree(self.work, ignore_errors=True)
+        return self.result
+
+
+def _renderer():
+    spec = importlib.util.spec_from_file_location("render_readme_tables", REPO / "tools" / "render_readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        print("gpu_bench: error: no CUDA device is visible (torch.cuda.is_available() is False); this benchmark "
+              "measures a GPU: run `bash tools/gpu_bench.sh` on a machine with one (--allow-cpu is only a "
+              "testing aid with tiny presets)", file=sys.stderr)
+        return 2
+
+    def on_term(signum, frame):
+        raise Interrupted()
+
+    signal.signal(signal.SIGTERM, on_term)
+    bench = Bench(args, cuda)
+    result = bench.run()
+    print()
+    try:
+        print(_renderer().gpu_bench_markdown(result))
+    except Exception as e:  # noqa: BLE001 (the JSON is written; the table is a courtesy)
+        print(f"(table not rendered: {type(e).__name__}: {e})")
+    print(f"\nwrote {bench.out} ({result['status']}, {result['wall_s']:.0f} s); log {bench.log_path}")
+    return 0 if result["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
