@@ -7,7 +7,8 @@ Each generated block sits between two markers in the README::
     <!-- END optimizer_step -->
 
 ``optimizer_step``: every ``benchmarks/results/*.json`` written by ``benchmarks/optimizer_step.py``
-(sorted by file name), one table each. ``records_*``: the newest ``records/<date>-<kind>/`` of each kind,
+(sorted by file name), one table each. ``gpu_bench``: ``benchmarks/results/gpu_bench_h200.json`` from
+``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``records_*``: the newest ``records/<date>-<kind>/`` of each kind,
 summarised and judged by ``megatron_md.sweep.records`` from its CSVs and cells' metrics.jsonl.
 Standard library only: no torch import.
 
@@ -154,6 +155,116 @@ def render_optimizer_state(repo: Path) -> str:
         if result.get("benchmark") == "optimizer_state":
             blocks.append(optimizer_state_markdown(result))
     return "\n\n".join(blocks) or "_No results yet: run `python benchmarks/optimizer_state.py`._"
+
+
+# ----------------------------------------------------------------------------- gpu_bench
+
+GPU_BENCH_RESULT = "benchmarks/results/gpu_bench_h200.json"
+
+
+def _num(v, fmt: str, scale: float = 1.0) -> str:
+    return "–" if v is None else format(v * scale, fmt)
+
+
+def _failure(sec: dict) -> str:
+    error = (sec.get("error") or "").strip().splitlines()
+    text = error[0] if error else "no error text"
+    return f"**{sec['status']}**: {text[:160].replace('|', '/')}"
+
+
+def gpu_bench_markdown(result: dict, source: str | None = None) -> str:
+    """The Markdown for one benchmarks/gpu_bench.py result: settings line, throughput table, GEMM, resume."""
+    m, s, peak, secs = result["machine"], result["settings"], result["peak"], result["sections"]
+    runs = [(n, x) for n, x in secs.items() if x.get("kind") in ("train", "moe")]
+    shapes = []
+    for _, x in runs:
+        mod = x.get("model")
+        if x.get("status") == "ok" and mod and mod["preset"] not in [p for p, _ in shapes]:
+            shape = f"{mod['num_layers']} layers, hidden {mod['hidden_size']}, vocab {mod['vocab_size']}"
+            if mod.get("num_experts"):
+                shape += (f", {mod['num_experts']} experts top-{mod['moe_router_topk']} ({x.get('experts_module')}, "
+                          f"grouped GEMM {'on' if x.get('moe_grouped_gemm') else 'off'})")
+            shapes.append((mod["preset"], f"`{mod['preset']}` ({shape}, {mod['parameters_active'] / 1e6:.0f}M active "
+                                          f"parameters) at sequence {x['seq_length']}, micro-batch {x['micro_batch_size']}"))
+    spec = next((x.get("layer_spec") for _, x in runs if x.get("layer_spec")), None)
+    te = m.get("transformer_engine")
+    head = []
+    if result.get("sample"):
+        head.append("**Sample data for the tests, not a measurement.**")
+    when = result["created"][:10]
+    head.append(
+        f"GPU benchmark on {m['device']} (torch {m['torch']}, CUDA {m.get('cuda')}, megatron-core "
+        f"{(m.get('megatron_core') or '?').split('+')[0]}, layer spec {spec or 'unknown'}"
+        f"{f', Transformer Engine {te}' if te else ', no Transformer Engine'})"
+        + (f" (`{source}`, {when})" if source else f" ({when})") + ": "
+        + "; ".join([d for _, d in shapes] + [s["precision"]])
+        + f"; medians over the iterations after {s['warmup']} warmup (of {s['steps']}; MoE fewer)."
+    )
+    gemm = secs.get("gemm")
+    spec_tf = peak.get("spec_tflops")
+    peaks = [f"{spec_tf:g} TFLOP/s bf16 dense spec" if spec_tf else "no spec peak for this device"]
+    if peak.get("measured_gemm_tflops"):
+        peaks.append(f"{peak['measured_gemm_tflops']:.0f} TFLOP/s measured ({peak.get('measured_gemm', 'GEMM')})")
+    elif gemm is not None:
+        peaks.append(f"GEMM {_failure(gemm)}")
+    formula = result["flops"]["formula"]
+    head.append(f"MFU against {' and '.join(peaks)}. {formula[:1].upper() + formula[1:]}.")
+    lines = [" ".join(head), ""]
+    if result.get("status") != "ok":
+        bad = [n for n, x in secs.items() if x.get("status") != "ok"]
+        lines += [f"Partial run: {len(secs) - len(bad)} of {len(secs)} sections finished ({', '.join(bad)} did not).", ""]
+    lines += ["| model | optimizer | tokens/s | model TFLOP/s | MFU (spec) | MFU (GEMM) | iteration (ms) "
+              "| optimizer step (ms) | step share | peak memory (GiB) |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for _, x in runs:
+        label = f"`{x.get('preset', '?')}`"
+        opt = f"`{x.get('optimizer', '?')}`" + (" (fallback)" if x.get("note") else "")
+        if x.get("status") != "ok":
+            lines.append(f"| {label} | {opt} | {_failure(x)} |  |  |  |  |  |  |  |")
+            continue
+        lines.append(
+            f"| {label} | {opt} | {_num(x['tokens_per_s'], ',.0f')} | {_num(x['model_tflops'], '.1f')} "
+            f"| {_num(x.get('mfu_spec'), '.1%')} | {_num(x.get('mfu_gemm'), '.1%')} | {_num(x['iter_ms'], ',.1f')} "
+            f"| {_num(x['optimizer_step_ms'], ',.1f')} | {_num(x['optimizer_step_share'], '.1%')} "
+            f"| {_num(x.get('peak_memory_gib'), '.1f')} |")
+    notes = [f"`{x['optimizer']}` on `{x['preset']}`: {x['note']}" for _, x in runs if x.get("note")]
+    notes += [f"`{n}` stopped early at its time limit ({x['iterations']} iterations)."
+              for n, x in runs if x.get("stopped_early")]
+    notes += [f"`{n}`: {x['skipped_steps']} steps skipped (non-finite)." for n, x in runs if x.get("skipped_steps")]
+    if any(x.get("moe_grouped_gemm") is False for _, x in runs):
+        notes.append("MoE grouped GEMM was asked for (`--moe-grouped-gemm`) but is off: megatron-core 0.19 builds "
+                     "grouped experts (TEGroupedMLP) only with Transformer Engine, so SequentialMLP ran.")
+    sr = secs.get("save_resume")
+    if sr is not None:
+        what = (f"Save and resume (`{sr.get('optimizer')}`, `{sr.get('preset')}` at sequence {sr.get('seq_length')}, "
+                f"{sr.get('iters_before_save')} iterations, save, resume, {sr.get('iters_after_resume')} more): ")
+        if sr.get("status") == "ok":
+            what += ("resumed losses equal the straight run's bit for bit" if sr["bit_identical"] else
+                     f"resumed losses match the straight run's within rel {sr['tolerance_rel']:g} "
+                     f"(max rel difference {sr['max_rel_diff']:.1e})")
+            if sr.get("checkpoint_bytes"):
+                what += f"; checkpoint {sr['checkpoint_bytes'] / 2**30:.2f} GiB"
+        elif sr.get("status") == "mismatch":
+            what += (f"the resume ran, but its losses differ from the straight run's (max rel "
+                     f"{sr['max_rel_diff']:.1e} > {sr['tolerance_rel']:g})")
+        else:
+            what += _failure(sr)
+        notes.append(what + ".")
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def render_gpu_bench(repo: Path) -> str:
+    path = repo / GPU_BENCH_RESULT
+    if not path.exists():
+        return ("_The GPU benchmark has not been run on a device yet: run `bash tools/gpu_bench.sh` on a GPU "
+                f"machine and copy its `gpu_bench.json` to `{GPU_BENCH_RESULT}`._")
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{path}: not valid JSON ({e})")
+    return gpu_bench_markdown(result, source=GPU_BENCH_RESULT)
 
 
 # ----------------------------------------------------------------------------- records (CPU experiments)
@@ -318,6 +429,7 @@ def with_figures(render_table: Callable[[Path], str], kind: str, pattern: str, a
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "optimizer_step": render_optimizer_step,
     "optimizer_state": render_optimizer_state,
+    "gpu_bench": render_gpu_bench,
     "records_claims": render_claims,
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",
                                         "final loss vs LR per width, optimum marked"),
