@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_md-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-reshard test-multirank params gpu-smoke bench readme records clean-runs
+.PHONY: setup demo test test-slow test-reshard test-multirank params gpu-smoke gpu-bench bench readme records clean-runs
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ params: $(STAMP)
 
 gpu-smoke: $(STAMP)
 	bash tools/gpu_smoke.sh
+
+# One GPU: throughput, MFU, optimizer-step time, memory, save/resume, MoE -> runs/gpu_bench/gpu_bench.json
+gpu-bench: $(STAMP)
+	bash tools/gpu_bench.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
