@@ -2,7 +2,7 @@
 # GPU benchmark on one device: dense-181m (vocab 131072) at sequence 4096 in bf16 with adam, muon,
 # muon_md and manifold_muon (tokens/s, MFU, optimizer-step time and share, peak memory), a large bf16
 # GEMM, a save/resume check and a small MoE. Writes ${OUT:-runs/gpu_bench}/gpu_bench.json (and
-# gpu_bench.log); sections are in benchmarks/gpu_bench.py. About 7 minutes on one H200.
+# gpu_bench.log); sections are in benchmarks/gpu_bench.py. Budgeted to about 8 minutes on one H200.
 #
 #   bash tools/gpu_bench.sh                    # uses ./.venv if present, else python3
 #   STEPS=20 BUDGET_S=300 bash tools/gpu_bench.sh --sections gemm,train   # extra args go to gpu_bench.py
