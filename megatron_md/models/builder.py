@@ -9,6 +9,7 @@ layers (unless ``--no-moe-grouped-gemm``), megatron's ``SequentialMLP`` otherwis
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 
@@ -55,6 +56,17 @@ def use_transformer_engine(impl: str, cpu: bool) -> bool:
             )
         return True
     return transformer_engine_available()
+
+
+# Apex / Megatron-LM CUDA extensions behind megatron-core's FusedScaleMaskSoftmax; none ships with megatron-core.
+FUSED_SOFTMAX_MODULES = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
+
+
+def fused_softmax_available() -> bool:
+    """Whether megatron's fused masked softmax can run. With the fusion on, megatron-core imports these
+    extensions inside the first fp16/bf16 forward of the local spec (sequence <= 4096), so without them
+    the fusion must stay off (torch's softmax then runs)."""
+    return all(importlib.util.find_spec(m) is not None for m in FUSED_SOFTMAX_MODULES)
 
 
 def moe_grouped_gemm(model_cfg, use_te: bool) -> bool:
@@ -120,7 +132,7 @@ def transformer_config(
         # CPU: initialise the full master weight on CPU so the init is TP-size independent,
         # and keep every fused CUDA kernel off.
         use_cpu_initialization=cpu,
-        masked_softmax_fusion=not cpu,
+        masked_softmax_fusion=not cpu and fused_softmax_available(),
         bias_dropout_fusion=not cpu and not (grouped and not m.disable_bias_linear),  # TEGroupedMLP asserts
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
