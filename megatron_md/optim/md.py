@@ -23,24 +23,32 @@ from .msign import msign, scale_factor
 MaybeTensor = torch.Tensor | None
 SPHERES = ("flat", "row", "col")
 GAIN_MODES = ("rowcol", "row", "col", "none")
-DIRECTION_CLAMP = 1e-8  # divisor floor when undoing the gains
+DIRECTION_CLAMP = 1e-8  # floor of each gain when undoing the gains
 _NORM_FLOOR = 1e-30  # keeps an all-zero row/matrix at zero instead of NaN when projecting
 
 
 class Reducer:
-    """Local (single-process) sums over a matrix; a TP subclass all-reduces when the axis is sharded."""
+    """Local (single-process) sums over a matrix; a TP subclass all-reduces when the axis is sharded.
+
+    Every axis sum ends in ``complete(partial, axis)``: the local partial sums of this piece of the matrix,
+    made global (identity here; an all-reduce when ``axis`` crosses the shards).
+    """
+
+    def complete(self, partial: torch.Tensor, axis: str) -> torch.Tensor:
+        """``axis``: "rows" (summed over axis 0), "cols" (over axis 1) or "all" (a scalar)."""
+        return partial
 
     def sum_over_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over axis 0 of ``[m, n]`` -> ``[n]`` (needs an all-reduce when rows are sharded)."""
-        return t.sum(dim=0)
+        return self.complete(t.sum(dim=0), "rows")
 
     def sum_over_cols(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over axis 1 of ``[m, n]`` -> ``[m]`` (needs an all-reduce when columns are sharded)."""
-        return t.sum(dim=1)
+        return self.complete(t.sum(dim=1), "cols")
 
     def sum_all(self, t: torch.Tensor) -> torch.Tensor:
         """Scalar sum (needs an all-reduce whenever the tensor is sharded)."""
-        return t.sum()
+        return self.complete(t.sum(), "all")
 
     def global_shape(self, local_shape: Sequence[int]) -> tuple[int, int]:
         """Shape of the full (unsharded) matrix or block whose local piece has ``local_shape``."""
@@ -223,6 +231,24 @@ def flat_radius(global_shape: Sequence[int]) -> float:
     return math.sqrt(max(global_shape))
 
 
+def sphere_scale(W: torch.Tensor, mode: str, radius: float | None, reducer: Reducer) -> torch.Tensor:
+    """The factor that puts ``W`` on its sphere: a scalar (flat), ``[m, 1]`` (row) or ``[1, n]`` (col).
+
+    Norms come from ``vector_norm`` (no squared temporary of the matrix) and are completed by the reducer.
+    """
+    if mode == "flat":
+        r = flat_radius(reducer.global_shape(W.shape)) if radius is None else radius
+        sq = reducer.complete(torch.linalg.vector_norm(W).square(), "all")
+        return r / sq.sqrt().clamp_min(_NORM_FLOOR)
+    if mode == "row":
+        sq = reducer.complete(torch.linalg.vector_norm(W, dim=1).square_(), "cols")
+        return ((1.0 if radius is None else radius) / sq.sqrt_().clamp_min_(_NORM_FLOOR)).unsqueeze(1)
+    if mode == "col":
+        sq = reducer.complete(torch.linalg.vector_norm(W, dim=0).square_(), "rows")
+        return ((1.0 if radius is None else radius) / sq.sqrt_().clamp_min_(_NORM_FLOOR)).unsqueeze(0)
+    raise ValueError(f"unknown sphere {mode!r}; choose one of {SPHERES}")
+
+
 def project_(
     W: torch.Tensor, mode: str = "flat", radius: float | None = None, reducer: Reducer = LOCAL_REDUCER
 ) -> torch.Tensor:
@@ -231,31 +257,37 @@ def project_(
     flat: ``W <- r W / ‖W‖_F`` with ``r = radius`` (default sqrt(max) of the reducer's global shape);
     row / col: every row / column rescaled to norm ``radius`` (default 1).
     """
-    sq = W.square()
-    if mode == "flat":
-        r = flat_radius(reducer.global_shape(W.shape)) if radius is None else radius
-        W.mul_(r / reducer.sum_all(sq).sqrt().clamp_min(_NORM_FLOOR))
-    elif mode == "row":
-        r = 1.0 if radius is None else radius
-        W.mul_(r / reducer.sum_over_cols(sq).sqrt().clamp_min(_NORM_FLOOR).unsqueeze(1))
-    elif mode == "col":
-        r = 1.0 if radius is None else radius
-        W.mul_(r / reducer.sum_over_rows(sq).sqrt().clamp_min(_NORM_FLOOR).unsqueeze(0))
-    else:
-        raise ValueError(f"unknown sphere {mode!r}; choose one of {SPHERES}")
-    return W
+    return W.mul_(sphere_scale(W, mode, radius, reducer))
+
+
+def _block_radius(blk: Block, mode: str, radius_scale: float) -> float | None:
+    return radius_scale * flat_radius(blk.shape) if mode == "flat" else None
+
+
+def blocks_sphere_scale(
+    W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer = LOCAL_REDUCER, radius_scale: float = 1.0
+) -> torch.Tensor:
+    """``sphere_scale`` of every block (fused QKV: Q, K, V radii differ) as one broadcastable factor."""
+    if len(blocks) == 1 and blocks[0].rows is None:
+        return sphere_scale(W, mode, _block_radius(blocks[0], mode, radius_scale), reducer)
+    if mode == "col":  # column norms of each row block: no single factor, so project the blocks in place
+        for blk in blocks:
+            part = get_block(W, blk)
+            set_block_(W, blk, part.mul_(sphere_scale(part, mode, None, reducer)))
+        return W.new_ones(())
+    out = W.new_empty(W.shape[0], 1)
+    for blk in blocks:
+        s = sphere_scale(get_block(W, blk), mode, _block_radius(blk, mode, radius_scale), reducer)
+        out.index_copy_(0, blk.rows, s.expand(blk.rows.numel(), 1) if s.ndim < 2 else s)
+    return out
 
 
 def project_blocks_(
     W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer = LOCAL_REDUCER,
     radius_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Project each block onto its own sphere (fused QKV: Q, K, V radii differ)."""
-    for blk in blocks:
-        part = get_block(W, blk)
-        project_(part, mode, radius_scale * flat_radius(blk.shape) if mode == "flat" else None, reducer)
-        set_block_(W, blk, part)
-    return W
+    """Project each block onto its own sphere in place."""
+    return W.mul_(blocks_sphere_scale(W, blocks, mode, reducer, radius_scale))
 
 
 def _gain_outer(g_row: MaybeTensor, g_col: MaybeTensor) -> MaybeTensor:
@@ -269,10 +301,22 @@ def _gain_outer(g_row: MaybeTensor, g_col: MaybeTensor) -> MaybeTensor:
     return None
 
 
+def _scaled(t: torch.Tensor, row: MaybeTensor, col: MaybeTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``diag(row) · t · diag(col)`` by broadcasting, never materialising the m x n outer product.
+    ``row``/``col`` may be vectors, ``[m,1]``/``[1,n]`` factors or scalars; a new tensor unless ``out`` is given."""
+    r = row.unsqueeze(1) if isinstance(row, torch.Tensor) and row.ndim == 1 else row
+    c = col.unsqueeze(0) if isinstance(col, torch.Tensor) and col.ndim == 1 else col
+    if r is None and c is None:
+        return t.clone() if out is None else out.copy_(t)
+    first, second = (r, c) if r is not None else (c, None)
+    res = torch.mul(t, first, out=out) if out is not None else t * first
+    return res.mul_(second) if second is not None else res
+
+
 def recover_direction(W: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
-    """Ŵ = W ⊘ (γ_r γ_cᵀ) (divisor clamped at 1e-8); always a new tensor."""
-    gamma = _gain_outer(g_row, g_col)
-    return W.clone() if gamma is None else W / gamma.clamp_min(DIRECTION_CLAMP)
+    """Ŵ = W ⊘ (γ_r γ_cᵀ) (each gain floored at 1e-8); always a new tensor."""
+    inv = [None if g is None else g.clamp_min(DIRECTION_CLAMP).reciprocal() for g in (g_row, g_col)]
+    return _scaled(W, *inv)
 
 
 def gain_grads(
@@ -288,16 +332,27 @@ def gain_grads(
     return d_row, d_col
 
 
+def gain_grads_fused(
+    G: torch.Tensor, W: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor, reducer: Reducer = LOCAL_REDUCER
+) -> tuple[MaybeTensor, MaybeTensor]:
+    """``gain_grads`` from the FUSED weight: ``Ŵ ⊙ γ_cᵀ = W ⊘ γ_r``, so ∂L/∂γ_r = rowsum(G ⊙ W) / γ_r and
+    ∂L/∂γ_c = colsum(G ⊙ W) / γ_c — one product instead of recovering Ŵ and two scaled copies."""
+    if g_row is None and g_col is None:
+        return None, None
+    GW = G * W
+    d_row = None if g_row is None else reducer.sum_over_cols(GW).div_(g_row)
+    d_col = None if g_col is None else reducer.sum_over_rows(GW).div_(g_col)
+    return d_row, d_col
+
+
 def direction_grad(G: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
     """Ĝ = ∂L/∂Ŵ = G ⊙ (γ_r γ_cᵀ); always a new tensor."""
-    gamma = _gain_outer(g_row, g_col)
-    return G.clone() if gamma is None else G * gamma
+    return _scaled(G, g_row, g_col)
 
 
 def refuse(W_hat: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
     """W = diag(γ_r) · Ŵ · diag(γ_c)."""
-    gamma = _gain_outer(g_row, g_col)
-    return W_hat if gamma is None else W_hat * gamma
+    return W_hat if g_row is None and g_col is None else _scaled(W_hat, g_row, g_col)
 
 
 def adam_(
@@ -310,16 +365,32 @@ def adam_(
     theta.sub_(adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps), alpha=lr)
 
 
+def adam_moments_(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, beta1: float,
+                  beta2: float) -> None:
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+
+
+def adam_denominator(exp_avg_sq: torch.Tensor, step: int | float, beta2: float, eps: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``sqrt(v) + eps·sqrt(1-β2^t)``: with it ``m̂/(sqrt(v̂)+eps) = (sqrt(1-β2^t)/(1-β1^t)) · m / denom``
+    (torch's Adam rewrite: two passes instead of four)."""
+    return torch.sqrt(exp_avg_sq, out=out).add_(eps * math.sqrt(1.0 - beta2**step))
+
+
+def adam_step_size(step: int | float, betas: tuple[float, float]) -> float:
+    """The factor ``sqrt(1-β2^t)/(1-β1^t)`` that multiplies ``m / adam_denominator``."""
+    return math.sqrt(1.0 - betas[1] ** step) / (1.0 - betas[0] ** step)
+
+
 def adam_direction(
     grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int | float,
     betas: tuple[float, float], eps: float,
 ) -> torch.Tensor:
     """Update the moments in place and return m̂ / (sqrt(v̂) + eps)."""
-    b1, b2 = betas
-    exp_avg.lerp_(grad, 1.0 - b1)
-    exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-    denom = (exp_avg_sq / (1.0 - b2**step)).sqrt_().add_(eps)
-    return (exp_avg / (1.0 - b1**step)).div_(denom)
+    adam_moments_(grad, exp_avg, exp_avg_sq, *betas)
+    denom = adam_denominator(exp_avg_sq, step, betas[1], eps)
+    return torch.div(exp_avg, denom, out=denom).mul_(adam_step_size(step, betas))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -340,33 +411,55 @@ class MatrixLayout:
 
 
 class BaseUpdate:
-    """Turns the direction gradient Ĝ into an update U, applied as ``Ŵ <- Π(Ŵ - lr·U)``."""
+    """Turns the direction gradient Ĝ into an update U, applied as ``Ŵ <- Π(Ŵ - lr·U)``.
+
+    In phases: ``direction`` (state update, may reuse Ĝ's memory), then, when ``orthogonalizes``, every block of
+    the direction goes through msign elsewhere (an engine may batch it across matrices and ranks), then
+    ``descend_`` subtracts ``lr·U`` from Ŵ. ``update`` runs the three in one go.
+    """
+
+    orthogonalizes = False
 
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
 
-    def update(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams, layout: MatrixLayout) -> torch.Tensor:
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams) -> torch.Tensor:
         raise NotImplementedError
+
+    def descend_(self, W_hat: torch.Tensor, direction: torch.Tensor, state: dict, hp: MDHyperParams,
+                 blocks: Sequence[Block], orthogonalized: Sequence[torch.Tensor] | None) -> None:
+        raise NotImplementedError
+
+    def update(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams, layout: MatrixLayout) -> torch.Tensor:
+        """The update U itself (a new tensor): ``descend_`` on zeros, negated."""
+        d = self.direction(g_hat.clone(), state, hp)
+        orth = ([layout.orthogonalize(get_block(d, b), b.shape) for b in layout.blocks]
+                if self.orthogonalizes else None)
+        out = torch.zeros_like(d)
+        self.descend_(out, d, state, dataclasses.replace(hp, lr=-1.0), layout.blocks, orth)
+        return out
 
 
 class MuonBase(BaseUpdate):
     """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (§2.3 steps 5-6)."""
 
+    orthogonalizes = True
+
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
-    def update(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams, layout: MatrixLayout) -> torch.Tensor:
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams) -> torch.Tensor:
         buf = state["momentum_buffer"]
         buf.lerp_(g_hat, 1.0 - hp.momentum)
-        U = g_hat.lerp(buf, hp.momentum) if hp.nesterov else buf
-        if len(layout.blocks) == 1 and layout.blocks[0].rows is None:
-            shape = layout.blocks[0].shape
-            return layout.orthogonalize(U, shape).mul_(scale_factor(*shape, hp.scale_mode) * hp.radius_scale)
-        out = torch.empty_like(U)
-        for blk in layout.blocks:
-            O = layout.orthogonalize(get_block(U, blk), blk.shape)
-            set_block_(out, blk, O.mul_(scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale))
-        return out
+        return g_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+        for blk, O in zip(blocks, orthogonalized):
+            step = -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale
+            if blk.rows is None:
+                W_hat.add_(O, alpha=step)
+            else:
+                W_hat.index_add_(0, blk.rows, O, alpha=step)
 
 
 class AdamBase(BaseUpdate):
@@ -377,13 +470,18 @@ class AdamBase(BaseUpdate):
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         state["step"] = torch.tensor(0.0)
 
-    def update(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams, layout: MatrixLayout) -> torch.Tensor:
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams) -> torch.Tensor:
+        """Moments updated; returns the denominator (in Ĝ's memory): ``descend_`` divides the momentum by it."""
         state["step"] += 1
-        return adam_direction(g_hat, state["exp_avg"], state["exp_avg_sq"], state["step"].item(), hp.betas, hp.eps)
+        adam_moments_(g_hat, state["exp_avg"], state["exp_avg_sq"], *hp.betas)
+        return adam_denominator(state["exp_avg_sq"], state["step"].item(), hp.betas[1], hp.eps, out=g_hat)
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+        W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
 
 
 # ----------------------------------------------------------------------------------------------------
-# Per-matrix state and the MD step
+# Per-matrix state and the MD step in phases
 
 
 def init_md_state(p: torch.Tensor, state: dict, hp: MDHyperParams, base: BaseUpdate) -> None:
@@ -416,6 +514,88 @@ def resolve_split_shapes(p: torch.Tensor, hp: MDHyperParams) -> tuple[int, int, 
     return None if split is None else tuple(int(s) for s in split)  # type: ignore[return-value]
 
 
+@dataclass
+class MDPrepared:
+    """A matrix between the phases: its base direction (blocks awaiting msign for Muon) and gain gradients."""
+
+    direction: torch.Tensor
+    d_row: MaybeTensor
+    d_col: MaybeTensor
+    blocks: list[Block]
+
+    def blocks_to_orthogonalize(self) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+        """``(block of the direction, its global shape)`` for each block (Muon base)."""
+        return [(get_block(self.direction, b), b.shape) for b in self.blocks]
+
+
+@torch.no_grad()
+def md_prepare(
+    p: torch.Tensor, grad: torch.Tensor, state: dict, hp: MDHyperParams, base: BaseUpdate,
+    reducer: Reducer = LOCAL_REDUCER, blocks: list[Block] | None = None,
+) -> MDPrepared:
+    """Phase 1 (ALGORITHMS.md §2.3 steps 1-5): gain gradients with the OLD gains through φ', the direction
+    gradient Ĝ and the base direction (momentum, or Adam moments). ``p`` and the gains are not changed."""
+    gp = gain_param(hp.gain_param, hp.gmin)
+    if blocks is None:
+        blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), reducer, p.device)
+    G = grad.to(torch.float32)
+    g_row, g_col = current_gains(state, hp)
+    d_row, d_col = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer)
+    if d_row is not None:
+        d_row.mul_(gp.phi_prime(state["rho_row"]))
+    if d_col is not None:
+        d_col.mul_(gp.phi_prime(state["rho_col"]))
+    G_hat = direction_grad(G, g_row, g_col)  # a new tensor: the base may work in it
+    return MDPrepared(base.direction(G_hat, state, hp), d_row, d_col, blocks)
+
+
+@torch.no_grad()
+def md_finish_(
+    p: torch.Tensor, prep: MDPrepared, state: dict, hp: MDHyperParams, base: BaseUpdate,
+    reducer: Reducer = LOCAL_REDUCER, orthogonalized: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """Phase 3 (§2.3 steps 6-9): the direction step (with msign's ``orthogonalized`` blocks for Muon), the
+    sphere, Adam on the raw gains, and the re-fused weight written into ``p``."""
+    gp = gain_param(hp.gain_param, hp.gmin)
+    g_row, g_col = current_gains(state, hp)
+    W32 = p if p.dtype == torch.float32 else p.to(torch.float32)
+    W_hat = W32 if g_row is None and g_col is None else recover_direction(W32, g_row, g_col)
+    if hp.weight_decay:
+        W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
+    base.descend_(W_hat, prep.direction, state, hp, prep.blocks, orthogonalized)
+    scale = blocks_sphere_scale(W_hat, prep.blocks, hp.sphere, reducer, hp.radius_scale)
+
+    if prep.d_row is not None or prep.d_col is not None:
+        state["gain_step"] += 1
+        step = state["gain_step"].item()
+        for axis, d in (("row", prep.d_row), ("col", prep.d_col)):
+            if d is None:
+                continue
+            rho = state[f"rho_{axis}"]
+            adam_(rho, d, state[f"exp_avg_{axis}"], state[f"exp_avg_sq_{axis}"], step, hp.gains_lr,
+                  hp.gains_betas, hp.gains_eps, hp.effective_gains_weight_decay)
+            if gp.rho_floor is not None:
+                rho.clamp_min_(gp.rho_floor)
+        g_row, g_col = current_gains(state, hp)
+
+    # Sphere and new gains in one write: W = diag(γ_r)·(s ⊙ Ŵ)·diag(γ_c); s is a scalar, a row or a column factor.
+    row, col = g_row, g_col
+    if scale.ndim == 2 and scale.shape[1] == 1:
+        row = scale if row is None else scale * row.unsqueeze(1)
+    elif scale.ndim == 2:
+        col = scale if col is None else scale * col.unsqueeze(0)
+    elif row is not None:
+        row = row * scale
+    elif col is not None:
+        col = col * scale
+    else:
+        row = scale
+    out = p if p.dtype == torch.float32 else None
+    res = _scaled(W_hat, row, col, out=out)
+    if out is None:
+        p.copy_(res)
+
+
 @torch.no_grad()
 def md_step_(
     p: torch.Tensor,
@@ -428,47 +608,9 @@ def md_step_(
     blocks: list[Block] | None = None,
 ) -> None:
     """One MD step on matrix ``p`` in place, ALGORITHMS.md §2.3 in order. ``state`` must be initialised."""
-    gp = gain_param(hp.gain_param, hp.gmin)
-    if blocks is None:
-        blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), reducer, p.device)
-    G = grad.to(torch.float32)
-
-    # 1-2. gains and the direction they hide
-    g_row, g_col = current_gains(state, hp)
-    W_hat = recover_direction(p.to(torch.float32), g_row, g_col)
-
-    # 3. gain gradients with the OLD gains, through φ'
-    d_row, d_col = gain_grads(G, W_hat, g_row, g_col, reducer)
-    if d_row is not None:
-        d_row.mul_(gp.phi_prime(state["rho_row"]))
-    if d_col is not None:
-        d_col.mul_(gp.phi_prime(state["rho_col"]))
-
-    # 4. direction gradient
-    G_hat = direction_grad(G, g_row, g_col)
-
-    # 5-6. base update (momentum + msign + scale for Muon, Adam for AdamMD)
-    layout = MatrixLayout(blocks, orthogonalize or default_orthogonalize(hp))
-    U = base.update(G_hat, state, hp, layout)
-
-    # 7. direction step, then back onto the sphere (decoupled WD first; MD runs use 0)
-    if hp.weight_decay:
-        W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
-    W_hat.sub_(U, alpha=hp.lr)
-    project_blocks_(W_hat, blocks, hp.sphere, reducer, hp.radius_scale)
-
-    # 8. Adam on the raw gains
-    if d_row is not None or d_col is not None:
-        state["gain_step"] += 1
-        step = state["gain_step"].item()
-        for axis, d in (("row", d_row), ("col", d_col)):
-            if d is None:
-                continue
-            rho = state[f"rho_{axis}"]
-            adam_(rho, d, state[f"exp_avg_{axis}"], state[f"exp_avg_sq_{axis}"], step, hp.gains_lr,
-                  hp.gains_betas, hp.gains_eps, hp.effective_gains_weight_decay)
-            if gp.rho_floor is not None:
-                rho.clamp_min_(gp.rho_floor)
-
-    # 9. re-fuse into the stored weight
-    p.copy_(refuse(W_hat, *current_gains(state, hp)))
+    prep = md_prepare(p, grad, state, hp, base, reducer, blocks)
+    orth = None
+    if base.orthogonalizes:
+        fn = orthogonalize or default_orthogonalize(hp)
+        orth = [fn(U, shape) for U, shape in prep.blocks_to_orthogonalize()]
+    md_finish_(p, prep, state, hp, base, reducer, orth)

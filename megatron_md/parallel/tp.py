@@ -3,8 +3,8 @@
 A TP-sharded matrix is split along ``partition_dim`` (0: rows, megatron's column-parallel
 layers; 1: columns, row-parallel layers). Every reduction whose axis crosses the shards is
 all-reduced over the TP group, and msign runs on the gathered full matrix (``duplicated``:
-every TP rank computes the same full result and keeps its slice), so the update does not
-depend on the TP size. Knows groups and shards, not models.
+every TP rank computes the same full result and keeps its slice; ``orthogonalize.py`` instead gives each
+matrix one owner), so the update does not depend on the TP size. Knows groups and shards, not models.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_md.optim.md import Reducer
-from megatron_md.optim.msign import msign
+from megatron_md.parallel.orthogonalize import msign_kernel
 
 
 class ShardedReducer(Reducer):
@@ -26,22 +26,13 @@ class ShardedReducer(Reducer):
         self.size = dist.get_world_size(group) if group is not None else 1
         self.dim = partition_dim if self.size > 1 else None
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.contiguous()
-        dist.all_reduce(t, group=self.group)
-        return t
-
-    def sum_over_rows(self, t: torch.Tensor) -> torch.Tensor:
-        s = t.sum(dim=0)
-        return self._all_reduce(s) if self.dim == 0 else s
-
-    def sum_over_cols(self, t: torch.Tensor) -> torch.Tensor:
-        s = t.sum(dim=1)
-        return self._all_reduce(s) if self.dim == 1 else s
-
-    def sum_all(self, t: torch.Tensor) -> torch.Tensor:
-        s = t.sum()
-        return self._all_reduce(s) if self.dim is not None else s
+    def complete(self, partial: torch.Tensor, axis: str) -> torch.Tensor:
+        crosses = self.dim is not None and (axis == "all" or (axis == "rows") == (self.dim == 0))
+        if not crosses:
+            return partial
+        partial = partial.contiguous()
+        dist.all_reduce(partial, group=self.group)
+        return partial
 
     def global_shape(self, local_shape: Sequence[int]) -> tuple[int, int]:
         m, n = (int(x) for x in local_shape)
@@ -64,15 +55,21 @@ def local_slice(full: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def duplicated_orthogonalizer(
-    group, partition_dim: int | None, steps: int, coefficients: str
+    group, partition_dim: int | None, steps: int, coefficients: str, dtype: torch.dtype = torch.float32,
+    matmul_precision: str | None = None,
 ) -> Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]:
-    """``(U_block, global_shape) -> msign(U_block)`` computed on the gathered full block."""
+    """``(U_block, global_shape) -> msign(U_block)`` computed on the gathered full block by every TP rank
+    (``--muon-tp-mode duplicated``; the engine in ``orthogonalize.py`` gives each matrix one owner instead)."""
     size = dist.get_world_size(group) if group is not None else 1
+    kernel = msign_kernel(steps, coefficients, dtype, matmul_precision)
+
+    def local(X: torch.Tensor) -> torch.Tensor:
+        return kernel.fn([X.unsqueeze(0)], [])[0][0][0]
 
     def orthogonalize(block: torch.Tensor, global_shape: tuple[int, int]) -> torch.Tensor:
         if size == 1 or partition_dim is None:
-            return msign(block, steps=steps, coefficients=coefficients)
+            return local(block)
         full = gather_shards(block, group, partition_dim)
-        return local_slice(msign(full, steps=steps, coefficients=coefficients), group, partition_dim)
+        return local_slice(local(full), group, partition_dim)
 
     return orthogonalize

@@ -329,17 +329,9 @@ def test_reductions_go_through_the_reducer():
         def __init__(self):
             self.calls = {"rows": 0, "cols": 0, "all": 0}
 
-        def sum_over_rows(self, t):
-            self.calls["rows"] += 1
-            return super().sum_over_rows(t)
-
-        def sum_over_cols(self, t):
-            self.calls["cols"] += 1
-            return super().sum_over_cols(t)
-
-        def sum_all(self, t):
-            self.calls["all"] += 1
-            return super().sum_all(t)
+        def complete(self, partial, axis):
+            self.calls[axis] += 1
+            return super().complete(partial, axis)
 
     counting = Counting()
 

@@ -1,0 +1,318 @@
+"""The orthogonalisation engine: every matrix orthogonalised once in its TP group, batched by shape.
+
+Callers (MD's Muon base, Manifold Muon) ``submit`` a job per matrix: its local TP shards, the process
+group they are split over and the split axis, and a ``Kernel`` (msign, or a whole manifold solve).
+``run`` then, for every TP (or expert-TP) group:
+
+1. groups the jobs into buckets of the same kernel, shapes and split (same-shape experts of a layer,
+   Q/K/V blocks of equal shape, same-shape matrices across layers), capped at ``bucket_elements``;
+2. gives each matrix exactly one owner rank in the group, greedily balancing the NS cost
+   ``max(m,n)·min(m,n)²`` (every rank derives the same assignment from the same job list);
+3. per bucket, one ``all_to_all`` brings each matrix's shards to its owner, the owner runs the kernel
+   once on the stacked batch, and one ``all_to_all`` returns each rank its shard (and every rank the
+   kernel's replicated outputs, e.g. a manifold dual).
+
+A job whose group has one rank, or whose matrix is not split (``dim=None``), runs where it is when the
+group has one rank; replicated matrices in a larger group are solved by their owner and sent to all.
+``EngineStats`` counts what this rank computed and sent, for the counting benchmarks.
+Knows groups and shards, not models or optimizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+KernelFn = Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+@dataclass(frozen=True, eq=False)
+class Kernel:
+    """What an owner runs on a bucket.
+
+    ``fn(sharded, replicated)`` takes the stacked FULL inputs ``[B, m, n]`` (one per sharded input) and the
+    stacked replicated inputs, and returns (stacked full outputs to split back over the group, stacked
+    replicated outputs every rank receives whole). ``outputs(full_shape, replicated_shapes)`` gives the
+    per-matrix shapes of both output lists without running ``fn``; ``flops(m, n)`` its analytic cost.
+    ``key`` identifies kernels that may share a bucket (same function and options).
+    """
+
+    key: tuple
+    fn: KernelFn
+    outputs: Callable[[tuple[int, int], list[tuple]], tuple[list[tuple], list[tuple]]]
+    flops: Callable[[int, int], float]
+
+
+def ns_cost(m: int, n: int) -> int:
+    """Relative Newton-Schulz cost of an ``m x n`` matrix: ``max(m,n)·min(m,n)²``."""
+    return max(m, n) * min(m, n) ** 2
+
+
+def msign_flops(m: int, n: int, steps: int) -> float:
+    """Multiply-add FLOPs of ``steps`` quintic NS iterations on ``m x n`` (wide orientation, s = min side):
+    ``A = XXᵀ`` 2s²l, ``B = bA + cA²`` 2s³, ``X = aX + BX`` 2s²l per step."""
+    s, l = min(m, n), max(m, n)
+    return float(steps) * (4.0 * s * s * l + 2.0 * s**3)
+
+
+@dataclass
+class EngineStats:
+    """What this rank did inside the engine since the last ``reset``."""
+
+    matrices: int = 0  # jobs submitted by this rank (every TP rank submits each of its matrices)
+    owned: int = 0  # jobs this rank computed
+    buckets: int = 0  # buckets this rank took part in
+    kernel_calls: int = 0  # kernel invocations (one per bucket with owned jobs, unless per_matrix)
+    flops: float = 0.0  # analytic kernel FLOPs this rank computed
+    collectives: int = 0
+    bytes_sent: int = 0  # to other ranks (the self-to-self part of an all_to_all excluded)
+    bytes_received: int = 0
+
+    def reset(self) -> None:
+        for name, value in EngineStats().__dict__.items():
+            setattr(self, name, value)
+
+
+@dataclass
+class Ticket:
+    """A submitted job; after ``run`` holds this rank's shard of each output and the replicated outputs."""
+
+    sharded: list[torch.Tensor]
+    replicated: list[torch.Tensor]
+    group: object
+    dim: int | None
+    kernel: Kernel
+    full_shape: tuple[int, int] = (0, 0)
+    out_sharded: list[torch.Tensor] = field(default_factory=list)
+    out_replicated: list[torch.Tensor] = field(default_factory=list)
+
+
+def _group_ranks(group) -> tuple[int, ...]:
+    if group is None or not dist.is_initialized():
+        return (0,)
+    return tuple(dist.get_process_group_ranks(group))
+
+
+class OrthogonalizationEngine:
+    """Collects jobs during an optimizer step and runs them: one owner per matrix, one kernel per bucket.
+
+    ``per_matrix=True`` keeps the buckets and collectives but calls the kernel once per matrix (bitwise the
+    unbatched result, for debugging). ``bucket_elements`` caps one bucket's full-matrix elements (memory of the
+    stacked batch and its NS temporaries).
+    """
+
+    def __init__(self, per_matrix: bool = False, bucket_elements: int = 1 << 28):
+        self.per_matrix = per_matrix
+        self.bucket_elements = bucket_elements
+        self.stats = EngineStats()
+        self._jobs: list[Ticket] = []
+
+    def submit(self, sharded: Sequence[torch.Tensor], group, dim: int | None, kernel: Kernel,
+               replicated: Sequence[torch.Tensor] = ()) -> Ticket:
+        """Queue a job on a matrix whose sharded inputs (same local shape) are split along ``dim`` over ``group``."""
+        size = len(_group_ranks(group))
+        m, n = (int(x) for x in sharded[0].shape)
+        if dim == 0:
+            m *= size
+        elif dim == 1:
+            n *= size
+        t = Ticket([s.contiguous() for s in sharded], [r.contiguous() for r in replicated], group, dim, kernel, (m, n))
+        self._jobs.append(t)
+        self.stats.matrices += 1
+        return t
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Run every queued job; afterwards each ticket holds its outputs. All ranks of a group must call."""
+        jobs, self._jobs = self._jobs, []
+        by_group: dict[tuple[int, ...], list[Ticket]] = {}
+        for t in jobs:
+            by_group.setdefault(_group_ranks(t.group), []).append(t)
+        for ranks in sorted(by_group):
+            self._run_group(ranks, by_group[ranks])
+
+    def _buckets(self, jobs: list[Ticket]) -> list[list[Ticket]]:
+        by_key: dict[tuple, list[Ticket]] = {}
+        order: list[tuple] = []
+        for t in jobs:
+            key = (t.kernel.key, t.dim, tuple(tuple(s.shape) for s in t.sharded),
+                   tuple(tuple(r.shape) for r in t.replicated), t.sharded[0].dtype, t.sharded[0].device)
+            if key not in by_key:
+                by_key[key] = []
+                order.append(key)
+            by_key[key].append(t)
+        buckets = []
+        for key in order:  # submission order: identical on every rank of the group
+            items = by_key[key]
+            per = max(1, self.bucket_elements // max(1, items[0].full_shape[0] * items[0].full_shape[1]))
+            buckets += [items[i:i + per] for i in range(0, len(items), per)]
+        return buckets
+
+    @staticmethod
+    def owners(buckets: list[list[Ticket]], size: int) -> list[list[int]]:
+        """Greedy cost balance (largest buckets first, each matrix to the least-loaded rank, ties to the lowest)."""
+        load = [0] * size
+        out: list[list[int]] = [[] for _ in buckets]
+        order = sorted(range(len(buckets)), key=lambda b: -ns_cost(*buckets[b][0].full_shape))
+        for b in order:
+            cost = ns_cost(*buckets[b][0].full_shape)
+            for _ in buckets[b]:
+                r = min(range(size), key=lambda i: (load[i], i))
+                load[r] += cost
+                out[b].append(r)
+        return out
+
+    def _run_group(self, ranks: tuple[int, ...], jobs: list[Ticket]) -> None:
+        size = len(ranks)
+        buckets = self._buckets(jobs)
+        if size == 1:
+            for bucket in buckets:
+                self.stats.buckets += 1
+                self._compute(bucket, [[t.sharded[k] for t in bucket] for k in range(len(bucket[0].sharded))],
+                              owner_of_rank=None)
+            return
+        me = ranks.index(dist.get_rank())
+        owners = self.owners(buckets, size)
+        for bucket, own in zip(buckets, owners):
+            self.stats.buckets += 1
+            self._run_bucket(bucket, own, me, size)
+
+    def _compute(self, bucket: list[Ticket], full_inputs: list[list[torch.Tensor]], owner_of_rank) -> tuple:
+        """Run the kernel on the matrices of ``bucket`` (full inputs given per sharded-input index)."""
+        k = bucket[0].kernel
+        reps = [torch.stack([t.replicated[i] for t in bucket]) for i in range(len(bucket[0].replicated))]
+        if self.per_matrix:
+            outs_s, outs_r = [], []
+            for j in range(len(bucket)):
+                s, r = k.fn([x[j].unsqueeze(0) for x in full_inputs], [x[j:j + 1] for x in reps])
+                outs_s.append(s)
+                outs_r.append(r)
+                self.stats.kernel_calls += 1
+            sh = [torch.cat([o[i] for o in outs_s]) for i in range(len(outs_s[0]))]
+            rp = [torch.cat([o[i] for o in outs_r]) for i in range(len(outs_r[0]))]
+        else:
+            sh, rp = k.fn([torch.stack(x) for x in full_inputs], reps)
+            self.stats.kernel_calls += 1
+        self.stats.owned += len(bucket)
+        self.stats.flops += len(bucket) * k.flops(*bucket[0].full_shape)
+        if owner_of_rank is None:  # local: the outputs are this rank's
+            for j, t in enumerate(bucket):
+                t.out_sharded = [x[j] for x in sh]
+                t.out_replicated = [x[j] for x in rp]
+        return sh, rp
+
+    def _all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int], me: int, group, like: torch.Tensor):
+        """One all_to_all_single of flat per-destination chunks; returns the received per-source chunks."""
+        send_sizes = [c.numel() for c in send]
+        flat = torch.cat(send) if send_sizes and sum(send_sizes) else like.new_empty(0)
+        out = like.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group)
+        es = like.element_size()
+        self.stats.collectives += 1
+        self.stats.bytes_sent += es * (sum(send_sizes) - send_sizes[me])
+        self.stats.bytes_received += es * (sum(recv_sizes) - recv_sizes[me])
+        return list(out.split(recv_sizes))
+
+    def _run_bucket(self, bucket: list[Ticket], own: list[int], me: int, size: int) -> None:
+        first = bucket[0]
+        group, dim, like = first.group, first.dim, first.sharded[0]
+        n_in = len(first.sharded)
+        local_numel = first.sharded[0].numel()
+        mine = [j for j, o in enumerate(own) if o == me]
+
+        # 1. shards to owners (a replicated matrix needs nothing: its owner holds it whole)
+        if dim is None:
+            full = [[bucket[j].sharded[i] for j in mine] for i in range(n_in)]
+        else:
+            send = [torch.cat([s.reshape(-1) for j, o in enumerate(own) if o == r for s in bucket[j].sharded])
+                    if r in own else like.new_empty(0) for r in range(size)]
+            got = self._all_to_all(send, [len(mine) * n_in * local_numel] * size, me, group, like)
+            shape = tuple(first.sharded[0].shape)
+            full = [[] for _ in range(n_in)]
+            for jj in range(len(mine)):
+                for i in range(n_in):
+                    parts = [got[r][(jj * n_in + i) * local_numel:(jj * n_in + i + 1) * local_numel].view(shape)
+                             for r in range(size)]
+                    full[i].append(torch.cat(parts, dim=dim))
+
+        # 2. one kernel call on the owned matrices of the bucket
+        if mine:
+            sh, rp = self._compute([bucket[j] for j in mine], full, owner_of_rank=me)
+        sh_shapes, rp_shapes = first.kernel.outputs(first.full_shape, [tuple(r.shape) for r in first.replicated])
+
+        # 3. every rank its shard of each sharded output, and the replicated outputs whole
+        def piece(shape: tuple) -> int:
+            n = 1
+            for x in shape:
+                n *= x
+            return n if dim is None else n // size
+
+        per_job = sum(piece(s) for s in sh_shapes) + sum(piece_r for piece_r in (_numel(s) for s in rp_shapes))
+        send = []
+        for r in range(size):
+            chunks = []
+            for jj in range(len(mine)):
+                for x in sh:
+                    chunks.append(x[jj].reshape(-1) if dim is None else x[jj].chunk(size, dim=dim)[r].reshape(-1))
+                for x in rp:
+                    chunks.append(x[jj].reshape(-1))
+            send.append(torch.cat(chunks) if chunks else like.new_empty(0))
+        counts = [sum(1 for o in own if o == r) for r in range(size)]
+        got = self._all_to_all(send, [c * per_job for c in counts], me, group, like)
+        cursor = [0] * size
+        for j, t in enumerate(bucket):
+            src = own[j]
+            buf, off = got[src], cursor[src]
+            t.out_sharded, t.out_replicated = [], []
+            for s in sh_shapes:
+                local = list(s)
+                if dim is not None:
+                    local[dim] //= size
+                n = _numel(local)
+                t.out_sharded.append(buf[off:off + n].view(local))
+                off += n
+            for s in rp_shapes:
+                n = _numel(s)
+                t.out_replicated.append(buf[off:off + n].view(s))
+                off += n
+            cursor[src] = off
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
+
+
+# ----------------------------------------------------------------------------------------------------
+# The msign kernel
+
+
+def msign_kernel(steps: int, coefficients: str, dtype: torch.dtype = torch.float32,
+                 matmul_precision: str | None = None) -> Kernel:
+    """msign of each stacked matrix (Newton-Schulz in ``dtype``; fp32 matmuls at ``matmul_precision``)."""
+    from megatron_md.optim.msign import msign
+
+    def fn(sharded, replicated):
+        X = sharded[0]
+        if X.size(0) == 1:  # a single matrix: the 2-D path (bitwise today's per-matrix result)
+            return [_with_precision(matmul_precision, msign, X[0], steps, coefficients, dtype).unsqueeze(0)], []
+        return [_with_precision(matmul_precision, msign, X, steps, coefficients, dtype)], []
+
+    return Kernel(("msign", steps, str(coefficients), dtype, matmul_precision), fn,
+                  lambda shape, reps: ([shape], []), lambda m, n: msign_flops(m, n, steps))
+
+
+def _with_precision(precision: str | None, fn, X, steps, coefficients, dtype):
+    if precision is None or precision == torch.get_float32_matmul_precision():
+        return fn(X, steps=steps, coefficients=coefficients, dtype=dtype)
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        return fn(X, steps=steps, coefficients=coefficients, dtype=dtype)
+    finally:
+        torch.set_float32_matmul_precision(old)
