@@ -25,6 +25,7 @@ from megatron_md.mcore.md_optimizer import (
     MDOptimizerConfig,
     MegatronMD,
     md_param_overrides,
+    ns_settings,
     refuse_packed_experts,
 )
 from megatron_md.optim.manifold_muon import ManifoldHyperParams, init_state
@@ -36,7 +37,12 @@ from megatron_md.optim.policy import (
     make_policy,
     role_of,
 )
-from megatron_md.parallel.manifold import manifold_steps_sharded_, project_sharded_
+from megatron_md.parallel.manifold import (
+    finish_manifold_steps,
+    manifold_steps_sharded_,
+    project_sharded_,
+    submit_manifold_steps,
+)
 
 MM_STATE_KEYS = ("dual", "dual_q", "dual_k", "dual_v", "dual_violation", "dual_iters")
 
@@ -61,7 +67,8 @@ def _is_manifold_group(group: dict) -> bool:
 
 
 class MegatronManifoldMuon(MegatronMD):
-    """MegatronMD plus Manifold Muon groups; geometry per group, TP handled by gathering."""
+    """MegatronMD plus Manifold Muon groups; geometry per group, each matrix solved once by its owner in the
+    TP group (``parallel/manifold.py``)."""
 
     def __init__(self, params, config: ManifoldOptimizerConfig, pg_collection=None):
         self.mm_defaults = dict(
@@ -70,6 +77,7 @@ class MegatronManifoldMuon(MegatronMD):
             fast_dual_steps=config.manifold_fast_dual_steps, fast_dual_lr=config.manifold_fast_dual_lr,
             fast_msign_steps=config.manifold_fast_msign_steps,
             split_qkv=config.manifold_split_qkv,
+            msign_dtype="bf16" if ns_settings(config)["dtype"] == torch.bfloat16 else "fp32",
         )
         self.geometry_override: dict[str, str] = {}  # md_key -> geometry (auto policy switches)
         super().__init__(params, config, pg_collection)
@@ -143,6 +151,7 @@ class MegatronManifoldMuon(MegatronMD):
             super().step(closure)
         finally:
             self.param_groups = everything
+        duplicated, pending = self.ns["tp_mode"] == "duplicated", []
         for group in everything:
             if not _is_manifold_group(group):
                 continue
@@ -157,7 +166,13 @@ class MegatronManifoldMuon(MegatronMD):
                 r = self.reducer_for(p)
                 by_geometry.setdefault(geometry, []).append((p, p.grad, self.state[p], r.group, r.dim))
             for geometry, items in by_geometry.items():
-                manifold_steps_sharded_(items, dataclasses.replace(hp, manifold=geometry))
+                geo_hp = dataclasses.replace(hp, manifold=geometry)
+                if duplicated:
+                    manifold_steps_sharded_(items, geo_hp, self.ortho_engine, duplicated=True)
+                else:
+                    pending += submit_manifold_steps(items, geo_hp, self.ortho_engine)
+        self.ortho_engine.run()  # every manifold group's matrices in one run
+        finish_manifold_steps(pending)
 
     def state_dict(self):
         sd = super().state_dict()

@@ -28,8 +28,9 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.tensor_parallel import layers as tp_layers
 
 from megatron_md.mcore import naming
-from megatron_md.optim.md import AdamBase, MDHyperParams, MuonBase
+from megatron_md.optim.md import AdamBase, MDHyperParams, MuonBase, md_finish_, md_prepare
 from megatron_md.optim.muon_md import MDOptimizer
+from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
 
 GAIN_KEYS = ("rho_row", "rho_col", "exp_avg_row", "exp_avg_sq_row", "exp_avg_col", "exp_avg_sq_col", "gain_step")
@@ -60,6 +61,31 @@ class MDOptimizerConfig(OptimizerConfig):
     md_router_sphere: str = "row"
     md_out_proj_radius: bool = False
     md_num_layers: int = 1
+    md_ns_per_matrix: bool = False
+
+
+NS_TP_MODES = ("layer_sharded", "duplicated")
+
+
+def ns_settings(config: OptimizerConfig) -> dict:
+    """Newton-Schulz options of MD and Manifold Muon from megatron's Muon flags.
+
+    ``muon_fp32_matmul_prec`` (already resolved from ``auto``): "medium" runs NS in bf16 (megatron's Muon on
+    GPUs), "high" in fp32 with TF32 matmuls, "highest" in plain fp32. ``muon_tp_mode``: "layer_sharded"
+    (one owner per matrix, the engine) or "duplicated" (every TP rank runs every NS); megatron's other modes
+    change the update with the TP size and are refused.
+    """
+    prec = config.muon_fp32_matmul_prec
+    if prec not in ("medium", "high", "highest"):
+        raise ValueError(f"--muon-fp32-matmul-prec {prec!r}: MD and Manifold Muon take medium, high or highest")
+    if config.muon_tp_mode not in NS_TP_MODES:
+        raise ValueError(
+            f"--muon-tp-mode {config.muon_tp_mode!r} is megatron Muon's; MD and Manifold Muon orthogonalise "
+            f"whole matrices: use one of {NS_TP_MODES} (layer_sharded: one owner per matrix, the default)"
+        )
+    return {"dtype": torch.bfloat16 if prec == "medium" else torch.float32,
+            "matmul_precision": "high" if prec == "high" else None,
+            "tp_mode": config.muon_tp_mode}
 
 
 class MegatronMD(MDOptimizer):
@@ -74,6 +100,9 @@ class MegatronMD(MDOptimizer):
 
     def __init__(self, params, config: MDOptimizerConfig, pg_collection=None):
         self.pg_collection = pg_collection
+        self.ns = ns_settings(config)
+        self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md_ns_per_matrix)
+        self._kernels: dict[tuple, object] = {}
         self._bases = {"muon": MuonBase(), "adam": AdamBase()}
         self._reducers: dict[int, ShardedReducer] = {}
         betas = (config.adam_beta1, config.adam_beta2)
@@ -106,7 +135,15 @@ class MegatronMD(MDOptimizer):
 
     def orthogonalizer_for(self, p: torch.Tensor, hp: MDHyperParams):
         r = self.reducer_for(p)
-        return duplicated_orthogonalizer(r.group, r.dim, hp.ns_steps, hp.ns_coefficients)
+        return duplicated_orthogonalizer(r.group, r.dim, hp.ns_steps, hp.ns_coefficients, self.ns["dtype"],
+                                         self.ns["matmul_precision"])
+
+    def msign_kernel(self, hp: MDHyperParams):
+        key = (hp.ns_steps, hp.ns_coefficients)
+        if key not in self._kernels:
+            self._kernels[key] = msign_kernel(hp.ns_steps, hp.ns_coefficients, self.ns["dtype"],
+                                              self.ns["matmul_precision"])
+        return self._kernels[key]
 
     # -- megatron's expectations -----------------------------------------------------------------
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
@@ -129,12 +166,41 @@ class MegatronMD(MDOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        # Gains follow the matrix group's schedule coefficient (ALGORITHMS.md §2.5).
+        """Every matrix in three phases: prepare (gains, momentum), orthogonalise (all Muon-base blocks in
+        one engine run: one owner per matrix in its TP group, batched by shape), finish (step, sphere, gains)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        waiting = []
         for group in self.param_groups:
+            # Gains follow the matrix group's schedule coefficient (ALGORITHMS.md §2.5).
             max_lr = group.get("max_lr") or 0.0
-            ratio = group["lr"] / max_lr if max_lr > 0 else 1.0
-            group["gains_lr"] = group["gains_max_lr"] * ratio
-        return super().step(closure)
+            group["gains_lr"] = group["gains_max_lr"] * (group["lr"] / max_lr if max_lr > 0 else 1.0)
+            hp = MDHyperParams.from_group(group)
+            base = self.base_for(hp)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:  # e.g. state dropped by a load without optimizer state
+                    self._init_param(p, hp, project=False)
+                r = self.reducer_for(p)
+                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, self._param_blocks(p, hp))
+                if not base.orthogonalizes:
+                    md_finish_(p, prep, self.state[p], hp, base, r)
+                elif self.ns["tp_mode"] == "duplicated":
+                    fn = self.orthogonalizer_for(p, hp)
+                    md_finish_(p, prep, self.state[p], hp, base, r,
+                               [fn(U, shape) for U, shape in prep.blocks_to_orthogonalize()])
+                else:
+                    kernel = self.msign_kernel(hp)
+                    tickets = [self.ortho_engine.submit([U], r.group, r.dim, kernel)
+                               for U, _ in prep.blocks_to_orthogonalize()]
+                    waiting.append((p, prep, hp, base, r, tickets))
+        self.ortho_engine.run()
+        for p, prep, hp, base, r, tickets in waiting:
+            md_finish_(p, prep, self.state[p], hp, base, r, [t.out_sharded[0] for t in tickets])
+        return loss
 
     def drop_unowned_state(self) -> None:
         """Forget state of matrices no longer in ``param_groups`` (another DP rank owns them)."""
@@ -267,5 +333,5 @@ def optimizer_config_kwargs(o) -> dict:
         md_scale_mode=o.md_scale_mode, md_ns_coefficients=o.md_ns_coefficients,
         md_embedding_sphere=o.md_embedding_sphere, md_output_sphere=o.md_output_sphere,
         md_output_gains=o.md_output_gains, md_router_sphere=o.md_router_sphere,
-        md_out_proj_radius=o.md_out_proj_radius,
+        md_out_proj_radius=o.md_out_proj_radius, md_ns_per_matrix=o.md_ns_per_matrix,
     )

@@ -207,19 +207,44 @@ def run_jobs(jobs: list[_Job], hp: ManifoldHyperParams) -> None:
             _write(job, new_W[i], float(info["rms_violation"][i]), float(info["iters"][i]))
 
 
+def dual_keys(hp: ManifoldHyperParams) -> list[str]:
+    """State keys of the warm-start corrections (fast mode of a constrained manifold), in a fixed order."""
+    if hp.mode != "fast" or hp.manifold == "none":
+        return []
+    return ["dual" + suffix for suffix in (("_q", "_k", "_v") if hp.split_qkv else ("",))]
+
+
+@torch.no_grad()
+def solve_full_(Ws: list[torch.Tensor], Us: list[torch.Tensor], states: list[dict], hp: ManifoldHyperParams) -> None:
+    """The step after momentum on FULL matrices, in place: ``W`` moves, ``states`` get the new duals and the
+    logging scalars. ``manifold="none"``: plain Muon ``W(1 - lr·wd) - lr·msign(U)`` per block; else one solve
+    (fast mode: stacked by shape). Whoever holds the whole matrix calls this (an engine's owner, or a single
+    process)."""
+    if hp.manifold == "none":
+        fn = polar_express(hp.msign_steps, hp.msign_dtype)
+        for W, U in zip(Ws, Us):
+            if hp.weight_decay:
+                W.mul_(1.0 - hp.lr * hp.weight_decay)
+            for _, rows in qkv_blocks(W, hp):
+                upd = (-hp.lr * fn(_block(U, rows))).to(W.dtype)
+                W.add_(upd) if rows is None else W.index_add_(0, rows, upd)
+        return
+    run_jobs([job for W, U, st in zip(Ws, Us, states) for job in _jobs(W, U, st, hp)], hp)
+
+
+def msigns_per_step(hp: ManifoldHyperParams) -> tuple[int, int]:
+    """(msign calls per matrix per step, NS steps of each): the dual iterations plus a Stiefel retraction."""
+    if hp.manifold == "none":
+        return 1, hp.msign_steps
+    if hp.mode == "fast":
+        return hp.fast_dual_steps + (hp.manifold == "stiefel"), hp.fast_msign_steps
+    return hp.dual_steps + (hp.manifold == "stiefel"), hp.msign_steps
+
+
 @torch.no_grad()
 def manifold_step_(W_full: torch.Tensor, grad_full: torch.Tensor, state: dict, hp: ManifoldHyperParams) -> None:
     """One ManifoldMuon step on a full (gathered) matrix in place; ``state`` from ``init_state``."""
-    U = momentum_(grad_full, state, hp)
-    if hp.manifold == "none":
-        fn = polar_express(hp.msign_steps, hp.msign_dtype)
-        if hp.weight_decay:
-            W_full.mul_(1.0 - hp.lr * hp.weight_decay)
-        for _, rows in qkv_blocks(W_full, hp):
-            upd = (-hp.lr * fn(_block(U, rows))).to(W_full.dtype)
-            W_full.add_(upd) if rows is None else W_full.index_add_(0, rows, upd)
-        return
-    run_jobs(_jobs(W_full, U, state, hp), hp)
+    solve_full_([W_full], [momentum_(grad_full, state, hp)], [state], hp)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,72 +1,113 @@
-"""Manifold Muon on tensor-parallel shards: the dual solve needs the whole matrix.
+"""Manifold Muon on tensor-parallel shards: each matrix's dual solve runs once, on its owner.
 
-Momentum stays local (elementwise, parameter-shaped, checkpointed by megatron). The momentum
-update and the weights are gathered over the TP group, every TP rank solves the same full
-problem (megatron's ``duplicated`` mode) and keeps its slice, so the result does not depend on
-the TP size.
+Momentum stays local (elementwise, parameter-shaped, checkpointed by megatron). The weights and the
+momentum update of every matrix go to one owner rank of its TP group through the orthogonalisation engine,
+which solves same-shape matrices together (``optim.manifold_muon.solve_full_``) and returns each rank its
+slice of the new weights plus the new warm-start duals (kept whole on every rank, so any rank's checkpoint
+holds them). The result does not depend on the TP size.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from megatron_md.optim.manifold_muon import (
     ManifoldHyperParams,
-    _jobs,
+    dual_keys,
     momentum_,
+    msigns_per_step,
     project_param_,
-    qkv_blocks,
-    run_jobs,
+    solve_full_,
 )
-from megatron_md.optim.manifolds import polar_express
+from megatron_md.parallel.orthogonalize import Kernel, OrthogonalizationEngine, msign_flops
 from megatron_md.parallel.tp import gather_shards, local_slice
 
-
-def _full(t: torch.Tensor, group, dim: int | None) -> torch.Tensor:
-    return t if dim is None else gather_shards(t, group, dim)
-
-
-def _back(p: torch.Tensor, W_full: torch.Tensor, group, dim: int | None) -> None:
-    p.copy_(W_full if dim is None else local_slice(W_full, group, dim))
+_LOG_KEYS = ("dual_violation", "dual_iters")
 
 
 @torch.no_grad()
 def project_sharded_(p: torch.Tensor, hp: ManifoldHyperParams, group, dim: int | None) -> None:
-    W = _full(p.data.float(), group, dim)
+    """Put a (possibly sharded) matrix on its manifold; once, at construction, on every TP rank."""
+    W = p.data.float() if dim is None else gather_shards(p.data.float(), group, dim)
     project_param_(W, hp)
-    _back(p.data, W.to(p.dtype), group, dim)
+    W = W.to(p.dtype)
+    p.data.copy_(W if dim is None else local_slice(W, group, dim))
 
 
-def _prepare(p: torch.Tensor, grad: torch.Tensor, state: dict, hp: ManifoldHyperParams, group,
-             dim: int | None) -> tuple[torch.Tensor, list]:
-    """Momentum, gather, and either the plain Muon step (manifold "none", done here) or the solve jobs."""
-    U = _full(momentum_(grad, state, hp), group, dim)
-    W = _full(p.data.float(), group, dim)
-    if hp.manifold != "none":
-        return W, _jobs(W, U, state, hp)
-    fn = polar_express(hp.msign_steps, hp.msign_dtype)  # the reference's plain branch: decoupled WD
-    if hp.weight_decay:
-        W.mul_(1.0 - hp.lr * hp.weight_decay)
-    for _, rows in qkv_blocks(W, hp):
-        upd = -hp.lr * fn(U if rows is None else U.index_select(0, rows))
-        W.add_(upd) if rows is None else W.index_add_(0, rows, upd)
-    return W, []
+def _hp_key(hp: ManifoldHyperParams) -> tuple:
+    return tuple((f.name, repr(getattr(hp, f.name))) for f in dataclasses.fields(hp) if f.name != "extra")
+
+
+def manifold_kernel(hp: ManifoldHyperParams) -> Kernel:
+    """The whole solve of a bucket: sharded inputs (W, U), replicated inputs the duals; outputs the new W,
+    and the new duals with the step's violation and dual iterations."""
+    keys = dual_keys(hp)
+
+    def fn(sharded, replicated):
+        W, U = sharded
+        Ws, Us = list(W.unbind(0)), list(U.unbind(0))
+        states = []
+        for j in range(W.size(0)):
+            st = {k: replicated[i][j].clone() for i, k in enumerate(keys)}
+            st.update({k: torch.zeros((), dtype=torch.float32, device=W.device) for k in _LOG_KEYS})
+            states.append(st)
+        solve_full_(Ws, Us, states, hp)
+        outs = [torch.stack([st[k] for st in states]).to(W.dtype) for k in keys + list(_LOG_KEYS)]
+        return [W], outs
+
+    def outputs(full_shape, rep_shapes):
+        return [full_shape], list(rep_shapes) + [(), ()]
+
+    calls, steps = msigns_per_step(hp)
+    return Kernel(("manifold",) + _hp_key(hp), fn, outputs, lambda m, n: calls * msign_flops(m, n, steps))
 
 
 @torch.no_grad()
-def manifold_step_sharded_(
-    p: torch.Tensor, grad: torch.Tensor, state: dict, hp: ManifoldHyperParams, group, dim: int | None
-) -> None:
-    """One Manifold Muon step of a (possibly TP-sharded) matrix in place."""
-    manifold_steps_sharded_([(p, grad, state, group, dim)], hp)
+def submit_manifold_steps(items: list[tuple], hp: ManifoldHyperParams, engine: OrthogonalizationEngine) -> list:
+    """Momentum of each ``(p, grad, state, group, dim)`` and its solve queued on ``engine`` (run it, then
+    ``finish_manifold_steps``): each matrix solved once, on its owner, same-shape matrices stacked."""
+    kernel, keys = manifold_kernel(hp), dual_keys(hp)
+    pending = []
+    for p, grad, state, group, dim in items:
+        U = momentum_(grad, state, hp)
+        ticket = engine.submit([p.data.float(), U], group, dim, kernel, [state[k] for k in keys])
+        pending.append((p, state, keys, ticket))
+    return pending
 
 
 @torch.no_grad()
-def manifold_steps_sharded_(items: list[tuple], hp: ManifoldHyperParams, batch: int = 16) -> None:
-    """Steps of several matrices ``(p, grad, state, group, dim)`` sharing ``hp``: up to ``batch`` gathered
-    matrices at a time go to one ``run_jobs`` call, so fast mode stacks the same-shape ones (layers)."""
-    for i in range(0, len(items), batch):
-        chunk = [(p, *_prepare(p, g, st, hp, group, dim), group, dim) for p, g, st, group, dim in items[i:i + batch]]
-        run_jobs([job for _, _, jobs, _, _ in chunk for job in jobs], hp)
-        for p, W, _, group, dim in chunk:
-            _back(p.data, W.to(p.dtype), group, dim)
+def finish_manifold_steps(pending: list) -> None:
+    """Write each rank's slice of the new weights, the new duals and the step's logging scalars."""
+    for p, state, keys, t in pending:
+        p.data.copy_(t.out_sharded[0].view_as(p.data))
+        for k, v in zip(keys + list(_LOG_KEYS), t.out_replicated):
+            if k in keys:
+                state[k] = v.to(torch.float32).clone()
+            else:
+                state[k].copy_(v)
+
+
+@torch.no_grad()
+def manifold_steps_sharded_(items: list[tuple], hp: ManifoldHyperParams, engine: OrthogonalizationEngine,
+                            duplicated: bool = False) -> None:
+    """Steps of several matrices sharing ``hp`` in one engine run. ``duplicated``: every TP rank gathers and
+    solves every matrix itself (``--muon-tp-mode duplicated``)."""
+    if duplicated:
+        return _duplicated(items, hp)
+    pending = submit_manifold_steps(items, hp, engine)
+    engine.run()
+    finish_manifold_steps(pending)
+
+
+def _duplicated(items: list[tuple], hp: ManifoldHyperParams) -> None:
+    Ws, Us = [], []
+    for p, grad, state, group, dim in items:
+        U, W = momentum_(grad, state, hp), p.data.float().clone()
+        Ws.append(W if dim is None else gather_shards(W, group, dim))
+        Us.append(U if dim is None else gather_shards(U, group, dim))
+    solve_full_(Ws, Us, [state for _, _, state, _, _ in items], hp)
+    for (p, _, _, group, dim), W in zip(items, Ws):
+        W = W.to(p.dtype)
+        p.data.copy_(W if dim is None else local_slice(W, group, dim))

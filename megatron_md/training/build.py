@@ -145,6 +145,14 @@ def ns_matmul_precision(setting: str, device: torch.device) -> str:
     return "highest" if device.type == "cpu" else "medium"
 
 
+def ns_tp_mode(setting: str, optimizer: str) -> str:
+    """--muon-tp-mode resolved: 'auto' is one owner per matrix for MD and Manifold Muon (our engine), and
+    megatron Muon's TP-size-independent 'duplicated' for muon."""
+    if setting != "auto":
+        return setting
+    return "duplicated" if optimizer == "muon" else "layer_sharded"
+
+
 def build_optimizer(cfg: RunConfig, ddp_model):
     o, t = cfg.optimizer, cfg.training
     common = dict(
@@ -164,7 +172,7 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         muon_nesterov=o.muon_nesterov,
         muon_scale_mode=o.muon_scale_mode,
         muon_num_ns_steps=o.muon_num_ns_steps,
-        muon_tp_mode=o.muon_tp_mode,
+        muon_tp_mode=ns_tp_mode(o.muon_tp_mode, o.optimizer),
         muon_extra_scale_factor=o.muon_extra_scale_factor,
         muon_fp32_matmul_prec=ns_matmul_precision(o.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
     )

@@ -105,9 +105,12 @@ class OptimConfig:
     )
     muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations.")
     muon_tp_mode: str = opt(
-        "duplicated",
-        "How Muon orthogonalises TP shards; 'blockwise' makes the update depend on TP size.",
-        ["duplicated", "distributed", "blockwise"],
+        "auto",
+        "How Newton-Schulz treats TP-sharded matrices. layer_sharded (MD, Manifold Muon): one owner per matrix in "
+        "its TP group, batched by shape; duplicated: every TP rank runs every matrix; distributed, blockwise: "
+        "megatron Muon only ('blockwise' makes the update depend on TP size). auto: layer_sharded for MD and "
+        "Manifold Muon, duplicated for muon.",
+        ["auto", "layer_sharded", "duplicated", "distributed", "blockwise"],
     )
     muon_extra_scale_factor: float = opt(1.0, "Extra multiplier on the Muon update.")
     muon_fp32_matmul_prec: str = opt(
@@ -127,6 +130,10 @@ class OptimConfig:
         ["shape_up", "spectral", "unit_rms_norm", "shape_scaling", "none"],
     )
     md_ns_coefficients: str = opt("quintic", "MD-Muon Newton-Schulz coefficients.", ["quintic", "simple", "polar_express"])
+    md_ns_per_matrix: bool = opt(
+        False, "MD, Manifold Muon: one Newton-Schulz call per matrix inside each same-shape bucket (debugging: "
+        "bitwise the unbatched result; batching changes fp32 rounding only)."
+    )
     md_embedding_sphere: str = opt("row", "MD: word-embedding sphere (none: plain AdamW).", ["row", "none"])
     md_output_sphere: str = opt("row", "MD: LM-head sphere (none: plain AdamW).", ["row", "none"])
     md_output_gains: str = opt("rowcol", "MD: LM-head gains.", ["rowcol", "row", "col", "none"])

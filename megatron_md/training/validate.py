@@ -112,6 +112,22 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             need(getattr(o, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
         for name in ("manifold_dual_lr", "manifold_fast_dual_lr"):
             need(getattr(o, name) > 0, f"--{name.replace('_', '-')} must be > 0")
+    if o.optimizer == "muon":
+        need(o.muon_tp_mode != "layer_sharded",
+             "--muon-tp-mode layer_sharded is MD's and Manifold Muon's engine; megatron-core 0.19's muon takes "
+             "duplicated, distributed or blockwise")
+    elif o.optimizer in ("muon_md", "manifold_muon"):
+        need(o.muon_tp_mode in ("auto", "layer_sharded", "duplicated"),
+             f"--muon-tp-mode {o.muon_tp_mode} is megatron Muon's; {o.optimizer} orthogonalises whole matrices: "
+             "use layer_sharded (default) or duplicated")
+    if o.optimizer == "manifold_muon":
+        need(o.md_ns_coefficients == "quintic" or "md" in o.geometry,
+             "--md-ns-coefficients applies to MD groups only and --geometry "
+             f"{o.geometry} has none; Manifold Muon uses Polar Express (--manifold-msign-steps, "
+             "--manifold-fast-msign-steps)")
+        need(o.muon_num_ns_steps == 5 or "md" in o.geometry,
+             "--muon-num-ns-steps applies to MD groups only and --geometry "
+             f"{o.geometry} has none; set --manifold-msign-steps / --manifold-fast-msign-steps instead")
     need(cfg.logging.log_interval >= 1, "--log-interval must be >= 1")
     need(m.seq_length <= m.max_position_embeddings, "--seq-length exceeds --max-position-embeddings")
     if o.optimizer != "adam" and p.use_distributed_optimizer:
