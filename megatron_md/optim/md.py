@@ -334,15 +334,16 @@ def gain_grads(
 
 def gain_grads_fused(
     G: torch.Tensor, W: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor, reducer: Reducer = LOCAL_REDUCER
-) -> tuple[MaybeTensor, MaybeTensor]:
+) -> tuple[MaybeTensor, MaybeTensor, torch.Tensor | None]:
     """``gain_grads`` from the FUSED weight: ``Ŵ ⊙ γ_cᵀ = W ⊘ γ_r``, so ∂L/∂γ_r = rowsum(G ⊙ W) / γ_r and
-    ∂L/∂γ_c = colsum(G ⊙ W) / γ_c — one product instead of recovering Ŵ and two scaled copies."""
+    ∂L/∂γ_c = colsum(G ⊙ W) / γ_c — one product instead of recovering Ŵ and two scaled copies. Also returns
+    that product's buffer (free for reuse; None without gains)."""
     if g_row is None and g_col is None:
-        return None, None
+        return None, None, None
     GW = G * W
     d_row = None if g_row is None else reducer.sum_over_cols(GW).div_(g_row)
     d_col = None if g_col is None else reducer.sum_over_rows(GW).div_(g_col)
-    return d_row, d_col
+    return d_row, d_col, GW
 
 
 def direction_grad(G: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
@@ -540,12 +541,14 @@ def md_prepare(
         blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), reducer, p.device)
     G = grad.to(torch.float32)
     g_row, g_col = current_gains(state, hp)
-    d_row, d_col = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer)
+    d_row, d_col, work = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer)
     if d_row is not None:
         d_row.mul_(gp.phi_prime(state["rho_row"]))
     if d_col is not None:
         d_col.mul_(gp.phi_prime(state["rho_col"]))
-    G_hat = direction_grad(G, g_row, g_col)  # a new tensor: the base may work in it
+    # Ĝ in a buffer of its own (the base works in it): the product's, else a copy; fresh big allocations
+    # cost as much as a pass on CPU (page faults), so the step allocates one matrix-sized buffer.
+    G_hat = G.clone() if work is None else _scaled(G, g_row, g_col, out=work)
     return MDPrepared(base.direction(G_hat, state, hp), d_row, d_col, blocks)
 
 
@@ -558,8 +561,11 @@ def md_finish_(
     sphere, Adam on the raw gains, and the re-fused weight written into ``p``."""
     gp = gain_param(hp.gain_param, hp.gmin)
     g_row, g_col = current_gains(state, hp)
-    W32 = p if p.dtype == torch.float32 else p.to(torch.float32)
-    W_hat = W32 if g_row is None and g_col is None else recover_direction(W32, g_row, g_col)
+    if p.dtype == torch.float32:  # Ŵ recovered in place: p is rewritten at the end anyway
+        inv = [None if g is None else g.clamp_min(DIRECTION_CLAMP).reciprocal() for g in (g_row, g_col)]
+        W_hat = p if g_row is None and g_col is None else _scaled(p, *inv, out=p)
+    else:
+        W_hat = recover_direction(p.to(torch.float32), g_row, g_col)
     if hp.weight_decay:
         W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
     base.descend_(W_hat, prep.direction, state, hp, prep.blocks, orthogonalized)
