@@ -44,6 +44,8 @@ class Kernel:
     fn: KernelFn
     outputs: Callable[[tuple[int, int], list[tuple]], tuple[list[tuple], list[tuple]]]
     flops: Callable[[int, int], float]
+    # NS invocations one call of ``fn`` makes for a batch of ``m x n`` matrices on a device (default 1)
+    calls: Callable[[int, int, int, torch.device], int] = lambda batch, m, n, device: 1
 
 
 def ns_cost(m: int, n: int) -> int:
@@ -66,6 +68,7 @@ class EngineStats:
     owned: int = 0  # jobs this rank computed
     buckets: int = 0  # buckets this rank took part in
     kernel_calls: int = 0  # kernel invocations (one per bucket with owned jobs, unless per_matrix)
+    ns_calls: int = 0  # Newton-Schulz invocations inside them (a CPU kernel loops over big matrices)
     flops: float = 0.0  # analytic kernel FLOPs this rank computed
     collectives: int = 0
     bytes_sent: int = 0  # to other ranks (the self-to-self part of an all_to_all excluded)
@@ -191,11 +194,13 @@ class OrthogonalizationEngine:
                 outs_s.append(s)
                 outs_r.append(r)
                 self.stats.kernel_calls += 1
+                self.stats.ns_calls += k.calls(1, *bucket[0].full_shape, full_inputs[0][j].device)
             sh = [torch.cat([o[i] for o in outs_s]) for i in range(len(outs_s[0]))]
             rp = [torch.cat([o[i] for o in outs_r]) for i in range(len(outs_r[0]))]
         else:
             sh, rp = k.fn([torch.stack(x) for x in full_inputs], reps)
             self.stats.kernel_calls += 1
+            self.stats.ns_calls += k.calls(len(bucket), *bucket[0].full_shape, full_inputs[0][0].device)
         self.stats.owned += len(bucket)
         self.stats.flops += len(bucket) * k.flops(*bucket[0].full_shape)
         if owner_of_rank is None:  # local: the outputs are this rank's
@@ -292,19 +297,36 @@ def _numel(shape: Sequence[int]) -> int:
 # The msign kernel
 
 
+# On CPU, torch's batched GEMM (bmm/baddbmm) was measured slower than a loop of 2-D GEMMs once a matrix has
+# more than 2^15 elements (2 threads, fp32: 128 x 256x256 343 vs 216 ms, 12 x 4096x512 1047 vs 796 ms; 128 x
+# 256x128 58 vs 78 ms, 64 x 64x128 3.7 vs 12 ms), so there a bucket of bigger matrices runs them one by one.
+CPU_BATCH_MAX_ELEMENTS = 1 << 15
+
+
+def batches_on(device: torch.device, m: int, n: int) -> bool:
+    """Whether a bucket of ``m x n`` matrices is orthogonalised by one batched call on ``device``."""
+    return device.type != "cpu" or m * n <= CPU_BATCH_MAX_ELEMENTS
+
+
 def msign_kernel(steps: int, coefficients: str, dtype: torch.dtype = torch.float32,
                  matmul_precision: str | None = None) -> Kernel:
     """msign of each stacked matrix (Newton-Schulz in ``dtype``; fp32 matmuls at ``matmul_precision``)."""
     from megatron_md.optim.msign import msign
 
+    def one(X: torch.Tensor) -> torch.Tensor:
+        return _with_precision(matmul_precision, msign, X, steps, coefficients, dtype)
+
     def fn(sharded, replicated):
         X = sharded[0]
-        if X.size(0) == 1:  # a single matrix: the 2-D path (bitwise today's per-matrix result)
-            return [_with_precision(matmul_precision, msign, X[0], steps, coefficients, dtype).unsqueeze(0)], []
-        return [_with_precision(matmul_precision, msign, X, steps, coefficients, dtype)], []
+        if X.size(0) == 1 or not batches_on(X.device, *X.shape[1:]):  # 2-D: bitwise the per-matrix result
+            return [torch.stack([one(x) for x in X.unbind(0)])], []
+        return [one(X)], []
+
+    def calls(batch: int, m: int, n: int, device: torch.device) -> int:
+        return 1 if batch == 1 or batches_on(device, m, n) else batch
 
     return Kernel(("msign", steps, str(coefficients), dtype, matmul_precision), fn,
-                  lambda shape, reps: ([shape], []), lambda m, n: msign_flops(m, n, steps))
+                  lambda shape, reps: ([shape], []), lambda m, n: msign_flops(m, n, steps), calls)
 
 
 def _with_precision(precision: str | None, fn, X, steps, coefficients, dtype):

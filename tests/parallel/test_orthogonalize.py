@@ -49,7 +49,7 @@ def test_local_buckets_batch_same_shapes_and_count():
     for m, t in zip(mats, tickets):
         torch.testing.assert_close(t.out_sharded[0], msign(m), rtol=1e-5, atol=1e-5)
     s = engine.stats
-    assert (s.matrices, s.owned, s.buckets, s.kernel_calls, s.collectives) == (10, 10, 3, 3, 0)
+    assert (s.matrices, s.owned, s.buckets, s.kernel_calls, s.ns_calls, s.collectives) == (10, 10, 3, 3, 3, 0)
     assert s.flops == pytest.approx(sum(msign_flops(*m.shape, 5) for m in mats))
 
 
@@ -70,6 +70,22 @@ def test_bucket_cap_splits_and_counts_calls():
         engine.submit([torch.randn(64, 32)], None, None, KERNEL)
     engine.run()
     assert engine.stats.buckets == engine.stats.kernel_calls == 22  # ceil(64 / 3)
+
+
+def test_cpu_loops_big_matrices_inside_a_bucket():
+    """On CPU a bucket of matrices above 2^15 elements runs them one by one (batched GEMM measured slower
+    there); the result is the same and the engine counts the NS calls it made."""
+    torch.manual_seed(2)
+    small = [torch.randn(64, 128) for _ in range(4)]  # 8192 elements: one batched call
+    big = [torch.randn(256, 256) for _ in range(3)]  # 65536 elements: three calls
+    engine = OrthogonalizationEngine()
+    tickets = [engine.submit([m], None, None, KERNEL) for m in small + big]
+    engine.run()
+    for m, t in zip(small + big, tickets):
+        torch.testing.assert_close(t.out_sharded[0], msign(m), rtol=1e-5, atol=1e-5)
+    for m, t in zip(big, tickets[4:]):
+        assert torch.equal(t.out_sharded[0], msign(m))
+    assert (engine.stats.buckets, engine.stats.kernel_calls, engine.stats.ns_calls) == (2, 2, 1 + 3)
 
 
 def test_msign_flops_formula():
