@@ -57,17 +57,20 @@ class PhaseTimers:
                 delattr(owner, attr)
 
 
-# (label, attribute of megatron_md.optim.md) timed inside md_step_; they do not nest in each other
-# except msign, which runs inside MuonBase.update.
+# (label, attribute of megatron_md.optim.md) timed inside md_prepare / md_finish_; they do not nest in
+# each other (msign runs in the engine, between the two phases).
 MD_PHASES = (
     ("current_gains (phi)", "current_gains"),
-    ("recover_direction", "recover_direction"),
-    ("gain_grads", "gain_grads"),
+    ("gain_grads_fused", "gain_grads_fused"),
     ("direction_grad", "direction_grad"),
-    ("project_blocks_ (sphere)", "project_blocks_"),
+    ("recover_direction", "recover_direction"),
+    ("blocks_sphere_scale (sphere norms)", "blocks_sphere_scale"),
     ("adam_ (gains)", "adam_"),
-    ("refuse", "refuse"),
 )
+BASE_PHASES = (("MuonBase.direction (momentum)", "MuonBase", "direction"),
+               ("MuonBase.descend_ (scaled step)", "MuonBase", "descend_"),
+               ("AdamBase.direction (moments)", "AdamBase", "direction"),
+               ("AdamBase.descend_ (step)", "AdamBase", "descend_"))
 
 
 def _md_role(p) -> str:
@@ -89,22 +92,24 @@ def phase_timers(subject):
         for _, inner in inner_optimizers(subject.optimizer):
             t.patch(inner, "step", f"inner step: {type(inner).__name__}")
         if subject.name == "muon_md":
+            import megatron_md.mcore.md_optimizer as mdo
             import megatron_md.optim.md as md
-            import megatron_md.optim.muon_md as muon_md
-            import megatron_md.parallel.tp as tp
+            from megatron_md.parallel.orthogonalize import OrthogonalizationEngine
 
-            orig_step = muon_md.md_step_
+            for fn in ("md_prepare", "md_finish_"):
+                orig = getattr(mdo, fn)
 
-            def md_step_by_role(p, *a, **k):
-                return t.wrap(orig_step, f"md_step_ [{_md_role(p)}]")(p, *a, **k)
+                def by_role(p, *a, _orig=orig, _fn=fn, **k):
+                    return t.wrap(_orig, f"{_fn} [{_md_role(p)}]")(p, *a, **k)
 
-            muon_md.md_step_ = md_step_by_role
-            t._undo.append((muon_md, "md_step_", orig_step, True))
+                setattr(mdo, fn, by_role)
+                t._undo.append((mdo, fn, orig, True))
             for label, attr in MD_PHASES:
                 t.patch(md, attr, label)
-            t.patch(md.MuonBase, "update", "MuonBase.update (momentum+msign+scale)")
-            t.patch(md.AdamBase, "update", "AdamBase.update (moments)")
-            t.patch(tp, "msign", "msign")
+            for label, cls, attr in BASE_PHASES:
+                t.patch(getattr(md, cls), attr, label)
+            t.patch(OrthogonalizationEngine, "run", "engine.run (gather, msign, scatter)")
+            t.patch(OrthogonalizationEngine, "_compute", "msign")
         elif subject.name == "muon":
             import megatron.core.optimizer.emerging_optimizers as eo
 
@@ -136,22 +141,21 @@ def phase_breakdown(subject, steps: int) -> dict:
     if subject.name == "muon_md":
         md_total = 0.0
         for k in sorted(per):
-            if k.startswith("md_step_ ["):
+            if k.startswith(("md_prepare [", "md_finish_ [")):
                 add(k, per[k])
                 md_total += per[k]
         children = 0.0
-        for label, _ in MD_PHASES:
+        for label in [m[0] for m in MD_PHASES] + [b[0] for b in BASE_PHASES]:
             if label in per:
                 add(label, per[label])
                 children += per[label]
-        mb = per.get("MuonBase.update (momentum+msign+scale)", 0.0)
-        ab = per.get("AdamBase.update (moments)", 0.0)
-        add("MuonBase.update minus msign (momentum, blocks, scale)", mb - per.get("msign", 0.0), derived=True)
-        add("AdamBase.update (moments)", ab)
-        add("md_step_ rest (casts, lr step, re-fuse copy, dispatch)", md_total - children - mb - ab, derived=True)
-        add("MegatronMD.step outside md_step_ (group loop, hp parsing)",
-            inner.get("inner step: MegatronMD", 0.0) - md_total, derived=True)
-        add("MD overhead (MD step minus msign)", md_total - per.get("msign", 0.0), derived=True)
+        engine = per.get("engine.run (gather, msign, scatter)", 0.0)
+        add("engine.run (gather, msign, scatter)", engine)
+        add("md phases rest (casts, weight write, dispatch)", md_total - children, derived=True)
+        add("MegatronMD.step outside the phases and engine (group loop, hp parsing)",
+            inner.get("inner step: MegatronMD", 0.0) - md_total - engine, derived=True)
+        add("MD overhead (MD step minus msign)", inner.get("inner step: MegatronMD", 0.0) - per.get("msign", 0.0),
+            derived=True)
     elif subject.name == "muon":
         muon = inner.get("inner step: TensorParallelMuon", 0.0)
         add("TensorParallelMuon.step minus msign (momentum, split, scale, update)", muon - per.get("msign", 0.0),
