@@ -30,7 +30,7 @@ def _bytes(x) -> int:
 def _payload(name: str, args: tuple, kwargs: dict) -> int:
     group = kwargs.get("group")
     if name == "all_to_all_single":
-        out, inp = args[0], args[1]
+        inp = args[1]
         splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
         rank = dist.get_rank(group)
         size = dist.get_world_size(group)

@@ -28,6 +28,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.tensor_parallel import layers as tp_layers
 
 from megatron_md.mcore import naming
+from megatron_md.optim import adam
 from megatron_md.optim.md import AdamBase, MDHyperParams, MuonBase, md_finish_, md_prepare
 from megatron_md.optim.muon_md import MDOptimizer
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
@@ -62,6 +63,7 @@ class MDOptimizerConfig(OptimizerConfig):
     md_out_proj_radius: bool = False
     md_num_layers: int = 1
     md_ns_per_matrix: bool = False
+    md_compile: str = "auto"
 
 
 NS_TP_MODES = ("layer_sharded", "duplicated")
@@ -101,6 +103,7 @@ class MegatronMD(MDOptimizer):
     def __init__(self, params, config: MDOptimizerConfig, pg_collection=None):
         self.pg_collection = pg_collection
         self.ns = ns_settings(config)
+        adam.set_compile(config.md_compile)
         self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md_ns_per_matrix)
         self._kernels: dict[tuple, object] = {}
         self._bases = {"muon": MuonBase(), "adam": AdamBase()}
@@ -333,5 +336,5 @@ def optimizer_config_kwargs(o) -> dict:
         md_scale_mode=o.md_scale_mode, md_ns_coefficients=o.md_ns_coefficients,
         md_embedding_sphere=o.md_embedding_sphere, md_output_sphere=o.md_output_sphere,
         md_output_gains=o.md_output_gains, md_router_sphere=o.md_router_sphere,
-        md_out_proj_radius=o.md_out_proj_radius, md_ns_per_matrix=o.md_ns_per_matrix,
+        md_out_proj_radius=o.md_out_proj_radius, md_ns_per_matrix=o.md_ns_per_matrix, md_compile=o.md_compile,
     )

@@ -18,6 +18,16 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .adam import adam_, adam_direction, adam_moments_and_denominator, adam_step_size  # noqa: F401 (re-export)
+from .blocks import (  # noqa: F401 (qkv_row_index re-exported: callers import it from md)
+    Block,
+    add_block_,
+    block_view,
+    get_block,
+    matrix_blocks,
+    qkv_row_index,
+    set_block_,
+)
 from .msign import msign, scale_factor
 
 MaybeTensor = torch.Tensor | None
@@ -166,63 +176,6 @@ class MDHyperParams:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Blocks: a plain matrix is one block; fused QKV is three (Q, K, V), each projected/orthogonalised alone
-
-
-def qkv_row_index(
-    num_rows: int, split_shapes: Sequence[int], device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row indices of the Q, K and V blocks of a fused ``linear_qkv`` weight in Megatron's layout.
-
-    Megatron interleaves per query group: ``[q rows of group 0, k rows, v rows, q rows of group 1, ...]``
-    with ``split_shapes = [heads/groups * kv_ch, kv_ch, kv_ch]``. Works on a row-sharded TP piece too
-    (each rank holds whole query groups).
-    """
-    q, k, v = (int(s) for s in split_shapes)
-    per_group = q + k + v
-    if num_rows % per_group:
-        raise ValueError(f"{num_rows} QKV rows are not a multiple of the query-group size {q}+{k}+{v}")
-    starts = torch.arange(num_rows // per_group, device=device).unsqueeze(1) * per_group
-
-    def rows(offset: int, count: int) -> torch.Tensor:
-        return (starts + offset + torch.arange(count, device=device)).reshape(-1)
-
-    return rows(0, q), rows(q, k), rows(q + k, v)
-
-
-@dataclass
-class Block:
-    """A row subset of a matrix (``rows=None``: the whole matrix) and the block's GLOBAL shape."""
-
-    rows: torch.Tensor | None
-    shape: tuple[int, int]
-
-
-def matrix_blocks(
-    local_shape: Sequence[int],
-    split_shapes: Sequence[int] | None = None,
-    reducer: Reducer = LOCAL_REDUCER,
-    device: torch.device | str | None = None,
-) -> list[Block]:
-    m, n = local_shape
-    if split_shapes is None:
-        return [Block(None, reducer.global_shape((m, n)))]
-    return [Block(idx, reducer.global_shape((idx.numel(), n))) for idx in qkv_row_index(m, split_shapes, device)]
-
-
-def get_block(t: torch.Tensor, blk: Block) -> torch.Tensor:
-    return t if blk.rows is None else t.index_select(0, blk.rows)
-
-
-def set_block_(t: torch.Tensor, blk: Block, value: torch.Tensor) -> None:
-    if blk.rows is None:
-        if value is not t:
-            t.copy_(value)
-    else:
-        t.index_copy_(0, blk.rows, value)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Sphere projection and gain algebra
 
 
@@ -275,6 +228,17 @@ def blocks_sphere_scale(
             part = get_block(W, blk)
             set_block_(W, blk, part.mul_(sphere_scale(part, mode, None, reducer)))
         return W.new_ones(())
+    if mode == "row":  # every row on its own unit sphere, whichever block it is in
+        return sphere_scale(W, mode, None, reducer)
+    if all(b.grouped is not None for b in blocks):  # flat: one pass for all row norms, summed per block
+        rows_sq = torch.linalg.vector_norm(W, dim=1).square_().unsqueeze(1)
+        out = torch.empty_like(rows_sq)
+        for blk in blocks:
+            sq = reducer.complete(block_view(rows_sq, blk).sum(), "all")
+            r = _block_radius(blk, mode, radius_scale)
+            view = block_view(out, blk)
+            view.copy_((r / sq.sqrt().clamp_min(_NORM_FLOOR)).expand(view.shape))  # no host sync
+        return out
     out = W.new_empty(W.shape[0], 1)
     for blk in blocks:
         s = sphere_scale(get_block(W, blk), mode, _block_radius(blk, mode, radius_scale), reducer)
@@ -356,44 +320,6 @@ def refuse(W_hat: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch
     return W_hat if g_row is None and g_col is None else _scaled(W_hat, g_row, g_col)
 
 
-def adam_(
-    theta: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int | float,
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
-) -> None:
-    """Bias-corrected Adam with decoupled weight decay, in place (ALGORITHMS.md §1.3); step counts from 1."""
-    if weight_decay:
-        theta.mul_(1.0 - lr * weight_decay)
-    theta.sub_(adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps), alpha=lr)
-
-
-def adam_moments_(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, beta1: float,
-                  beta2: float) -> None:
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-
-
-def adam_denominator(exp_avg_sq: torch.Tensor, step: int | float, beta2: float, eps: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """``sqrt(v) + eps·sqrt(1-β2^t)``: with it ``m̂/(sqrt(v̂)+eps) = (sqrt(1-β2^t)/(1-β1^t)) · m / denom``
-    (torch's Adam rewrite: two passes instead of four)."""
-    return torch.sqrt(exp_avg_sq, out=out).add_(eps * math.sqrt(1.0 - beta2**step))
-
-
-def adam_step_size(step: int | float, betas: tuple[float, float]) -> float:
-    """The factor ``sqrt(1-β2^t)/(1-β1^t)`` that multiplies ``m / adam_denominator``."""
-    return math.sqrt(1.0 - betas[1] ** step) / (1.0 - betas[0] ** step)
-
-
-def adam_direction(
-    grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int | float,
-    betas: tuple[float, float], eps: float,
-) -> torch.Tensor:
-    """Update the moments in place and return m̂ / (sqrt(v̂) + eps)."""
-    adam_moments_(grad, exp_avg, exp_avg_sq, *betas)
-    denom = adam_denominator(exp_avg_sq, step, betas[1], eps)
-    return torch.div(exp_avg, denom, out=denom).mul_(adam_step_size(step, betas))
-
-
 # ----------------------------------------------------------------------------------------------------
 # Base updates on the direction gradient Ĝ (pluggable: Lion, SOAP, ... implement the same protocol)
 
@@ -420,11 +346,14 @@ class BaseUpdate:
     """
 
     orthogonalizes = False
+    writes_direction_grad = False  # True: ``direction`` may overwrite Ĝ (the caller then hands it a copy)
 
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
 
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams) -> torch.Tensor:
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``scratch``: a matrix-sized buffer the base may use for its result (or None)."""
         raise NotImplementedError
 
     def descend_(self, W_hat: torch.Tensor, direction: torch.Tensor, state: dict, hp: MDHyperParams,
@@ -433,7 +362,7 @@ class BaseUpdate:
 
     def update(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams, layout: MatrixLayout) -> torch.Tensor:
         """The update U itself (a new tensor): ``descend_`` on zeros, negated."""
-        d = self.direction(g_hat.clone(), state, hp)
+        d = self.direction(g_hat.clone(), state, hp, None)
         orth = ([layout.orthogonalize(get_block(d, b), b.shape) for b in layout.blocks]
                 if self.orthogonalizes else None)
         out = torch.zeros_like(d)
@@ -445,22 +374,20 @@ class MuonBase(BaseUpdate):
     """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (§2.3 steps 5-6)."""
 
     orthogonalizes = True
+    writes_direction_grad = True  # Nesterov's lerp runs in Ĝ's memory
 
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams) -> torch.Tensor:
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
         buf = state["momentum_buffer"]
         buf.lerp_(g_hat, 1.0 - hp.momentum)
         return g_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
 
     def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
         for blk, O in zip(blocks, orthogonalized):
-            step = -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale
-            if blk.rows is None:
-                W_hat.add_(O, alpha=step)
-            else:
-                W_hat.index_add_(0, blk.rows, O, alpha=step)
+            add_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
 
 
 class AdamBase(BaseUpdate):
@@ -471,11 +398,13 @@ class AdamBase(BaseUpdate):
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         state["step"] = torch.tensor(0.0)
 
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams) -> torch.Tensor:
-        """Moments updated; returns the denominator (in Ĝ's memory): ``descend_`` divides the momentum by it."""
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Moments updated; returns the denominator (in ``scratch`` if given): ``descend_`` divides the momentum
+        by it. Ĝ is only read."""
         state["step"] += 1
-        adam_moments_(g_hat, state["exp_avg"], state["exp_avg_sq"], *hp.betas)
-        return adam_denominator(state["exp_avg_sq"], state["step"].item(), hp.betas[1], hp.eps, out=g_hat)
+        return adam_moments_and_denominator(g_hat, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
+                                            hp.betas, hp.eps, out=scratch)
 
     def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
         W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
@@ -546,10 +475,14 @@ def md_prepare(
         d_row.mul_(gp.phi_prime(state["rho_row"]))
     if d_col is not None:
         d_col.mul_(gp.phi_prime(state["rho_col"]))
-    # Ĝ in a buffer of its own (the base works in it): the product's, else a copy; fresh big allocations
-    # cost as much as a pass on CPU (page faults), so the step allocates one matrix-sized buffer.
-    G_hat = G.clone() if work is None else _scaled(G, g_row, g_col, out=work)
-    return MDPrepared(base.direction(G_hat, state, hp), d_row, d_col, blocks)
+    # Ĝ in the gain product's buffer; without gains it is G itself, copied only for a base that writes in
+    # it. Fresh big allocations cost as much as a pass on CPU (page faults): at most one per matrix.
+    if work is not None:
+        G_hat = scratch = _scaled(G, g_row, g_col, out=work)
+    else:
+        G_hat = G.clone() if base.writes_direction_grad else G
+        scratch = G_hat if G_hat is not G else None
+    return MDPrepared(base.direction(G_hat, state, hp, scratch), d_row, d_col, blocks)
 
 
 @torch.no_grad()

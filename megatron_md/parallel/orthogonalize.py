@@ -184,35 +184,47 @@ class OrthogonalizationEngine:
             self._run_bucket(bucket, own, me, size)
 
     def _compute(self, bucket: list[Ticket], full_inputs: list[list[torch.Tensor]], owner_of_rank) -> tuple:
-        """Run the kernel on the matrices of ``bucket`` (full inputs given per sharded-input index)."""
+        """Run the kernel on the matrices of ``bucket`` (full inputs given per sharded-input index).
+
+        Returns per output a sequence indexed by matrix: one stacked tensor when the kernel batched, else a
+        list of the per-matrix results (no stacking copies for kernels that loop anyway)."""
         k = bucket[0].kernel
+        B, (m, n), device = len(bucket), bucket[0].full_shape, full_inputs[0][0].device
         reps = [torch.stack([t.replicated[i] for t in bucket]) for i in range(len(bucket[0].replicated))]
-        if self.per_matrix:
+        if self.per_matrix or k.calls(B, m, n, device) == B:
             outs_s, outs_r = [], []
-            for j in range(len(bucket)):
+            for j in range(B):
                 s, r = k.fn([x[j].unsqueeze(0) for x in full_inputs], [x[j:j + 1] for x in reps])
                 outs_s.append(s)
                 outs_r.append(r)
-                self.stats.kernel_calls += 1
-                self.stats.ns_calls += k.calls(1, *bucket[0].full_shape, full_inputs[0][j].device)
-            sh = [torch.cat([o[i] for o in outs_s]) for i in range(len(outs_s[0]))]
-            rp = [torch.cat([o[i] for o in outs_r]) for i in range(len(outs_r[0]))]
+                self.stats.kernel_calls += int(self.per_matrix)
+                self.stats.ns_calls += k.calls(1, m, n, device)
+            self.stats.kernel_calls += int(not self.per_matrix)
+            sh = [[o[i][0] for o in outs_s] for i in range(len(outs_s[0]))]
+            rp = [[o[i][0] for o in outs_r] for i in range(len(outs_r[0]))]
         else:
             sh, rp = k.fn([torch.stack(x) for x in full_inputs], reps)
             self.stats.kernel_calls += 1
-            self.stats.ns_calls += k.calls(len(bucket), *bucket[0].full_shape, full_inputs[0][0].device)
-        self.stats.owned += len(bucket)
-        self.stats.flops += len(bucket) * k.flops(*bucket[0].full_shape)
+            self.stats.ns_calls += k.calls(B, m, n, device)
+        self.stats.owned += B
+        self.stats.flops += B * k.flops(m, n)
         if owner_of_rank is None:  # local: the outputs are this rank's
             for j, t in enumerate(bucket):
                 t.out_sharded = [x[j] for x in sh]
                 t.out_replicated = [x[j] for x in rp]
         return sh, rp
 
-    def _all_to_all(self, send: list[torch.Tensor], recv_sizes: list[int], me: int, group, like: torch.Tensor):
-        """One all_to_all_single of flat per-destination chunks; returns the received per-source chunks."""
-        send_sizes = [c.numel() for c in send]
-        flat = torch.cat(send) if send_sizes and sum(send_sizes) else like.new_empty(0)
+    def _all_to_all(self, send: list[list[torch.Tensor]], recv_sizes: list[int], me: int, group,
+                    like: torch.Tensor) -> list[torch.Tensor]:
+        """One all_to_all_single; ``send[r]``: the tensors for rank r, packed with one copy each into a flat
+        buffer. Returns the flat chunk received from each rank."""
+        send_sizes = [sum(t.numel() for t in ts) for ts in send]
+        flat = like.new_empty(sum(send_sizes))
+        off = 0
+        for ts in send:
+            for t in ts:
+                flat[off:off + t.numel()].view(t.shape).copy_(t)
+                off += t.numel()
         out = like.new_empty(sum(recv_sizes))
         dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group)
         es = like.element_size()
@@ -232,8 +244,7 @@ class OrthogonalizationEngine:
         if dim is None:
             full = [[bucket[j].sharded[i] for j in mine] for i in range(n_in)]
         else:
-            send = [torch.cat([s.reshape(-1) for j, o in enumerate(own) if o == r for s in bucket[j].sharded])
-                    if r in own else like.new_empty(0) for r in range(size)]
+            send = [[s for j, o in enumerate(own) if o == r for s in bucket[j].sharded] for r in range(size)]
             got = self._all_to_all(send, [len(mine) * n_in * local_numel] * size, me, group, like)
             shape = tuple(first.sharded[0].shape)
             full = [[] for _ in range(n_in)]
@@ -249,22 +260,12 @@ class OrthogonalizationEngine:
         sh_shapes, rp_shapes = first.kernel.outputs(first.full_shape, [tuple(r.shape) for r in first.replicated])
 
         # 3. every rank its shard of each sharded output, and the replicated outputs whole
-        def piece(shape: tuple) -> int:
-            n = 1
-            for x in shape:
-                n *= x
-            return n if dim is None else n // size
-
-        per_job = sum(piece(s) for s in sh_shapes) + sum(piece_r for piece_r in (_numel(s) for s in rp_shapes))
-        send = []
+        per_job = sum(_numel(s) // (1 if dim is None else size) for s in sh_shapes) + sum(_numel(s) for s in rp_shapes)
+        send = [[] for _ in range(size)]
         for r in range(size):
-            chunks = []
             for jj in range(len(mine)):
-                for x in sh:
-                    chunks.append(x[jj].reshape(-1) if dim is None else x[jj].chunk(size, dim=dim)[r].reshape(-1))
-                for x in rp:
-                    chunks.append(x[jj].reshape(-1))
-            send.append(torch.cat(chunks) if chunks else like.new_empty(0))
+                send[r] += [x[jj] if dim is None else x[jj].chunk(size, dim=dim)[r] for x in sh]
+                send[r] += [x[jj] for x in rp]
         counts = [sum(1 for o in own if o == r) for r in range(size)]
         got = self._all_to_all(send, [c * per_job for c in counts], me, group, like)
         cursor = [0] * size

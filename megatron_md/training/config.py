@@ -130,6 +130,10 @@ class OptimConfig:
         ["shape_up", "spectral", "unit_rms_norm", "shape_scaling", "none"],
     )
     md_ns_coefficients: str = opt("quintic", "MD-Muon Newton-Schulz coefficients.", ["quintic", "simple", "polar_express"])
+    md_compile: str = opt(
+        "auto", "MD: torch.compile the Adam-base kernel of matrices of >= 4M elements (embedding, LM head; eager "
+        "fallback if compiling fails); off: eager everywhere.", ["auto", "off"]
+    )
     md_ns_per_matrix: bool = opt(
         False, "MD, Manifold Muon: one Newton-Schulz call per matrix inside each same-shape bucket (debugging: "
         "bitwise the unbatched result; batching changes fp32 rounding only)."

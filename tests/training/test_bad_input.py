@@ -27,6 +27,16 @@ MOCK = ["--mock-data", "--wandb-mode", "disabled"]
          "requires --sequence-parallel"),
         (["--model", "tiny-dense", "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
         (["--model", "tiny-dense", "--optimizer", "muon", "--use-distributed-optimizer"], "add --bf16"),
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--muon-tp-mode", "blockwise"],
+         "--muon-tp-mode blockwise is megatron Muon's; muon_md orthogonalises whole matrices"),
+        (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--muon-tp-mode", "distributed"],
+         "use layer_sharded (default) or duplicated"),
+        (["--model", "tiny-dense", "--optimizer", "muon", "--muon-tp-mode", "layer_sharded"],
+         "--muon-tp-mode layer_sharded is MD's and Manifold Muon's engine"),
+        (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--muon-num-ns-steps", "7"],
+         "--muon-num-ns-steps applies to MD groups only and --geometry hetero has none"),
+        (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--md-ns-coefficients", "simple"],
+         "--md-ns-coefficients applies to MD groups only"),
     ],
 )
 def test_invalid_layouts_and_batches(capsys, args, needle):

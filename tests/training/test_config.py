@@ -85,3 +85,23 @@ def test_muon_newton_schulz_precision_is_fp32_on_cpu_unless_set():
     assert ns_matmul_precision("auto", torch.device("cpu")) == "highest"
     assert ns_matmul_precision("auto", torch.device("cuda", 0)) == "medium"
     assert ns_matmul_precision("medium", torch.device("cpu")) == "medium"
+
+
+def test_newton_schulz_flags_resolve_for_md_and_manifold():
+    """The engine for MD and Manifold Muon, megatron's duplicated mode for its muon; bf16 NS on GPUs."""
+    import torch
+
+    from megatron_md.mcore.md_optimizer import MDOptimizerConfig, ns_settings
+    from megatron_md.training.build import ns_tp_mode
+
+    assert resolve("tiny-dense", None, {}).optimizer.muon_tp_mode == "auto"
+    assert ns_tp_mode("auto", "muon_md") == ns_tp_mode("auto", "manifold_muon") == "layer_sharded"
+    assert ns_tp_mode("auto", "muon") == "duplicated" and ns_tp_mode("duplicated", "muon_md") == "duplicated"
+    gpu = ns_settings(MDOptimizerConfig(muon_fp32_matmul_prec="medium", muon_tp_mode="layer_sharded"))
+    cpu = ns_settings(MDOptimizerConfig(muon_fp32_matmul_prec="highest", muon_tp_mode="duplicated"))
+    assert (gpu["dtype"], gpu["tp_mode"]) == (torch.bfloat16, "layer_sharded")
+    assert (cpu["dtype"], cpu["matmul_precision"], cpu["tp_mode"]) == (torch.float32, None, "duplicated")
+    assert ns_settings(MDOptimizerConfig(muon_fp32_matmul_prec="high", muon_tp_mode="duplicated"))[
+        "matmul_precision"] == "high"
+    with pytest.raises(ValueError, match="--muon-tp-mode 'blockwise'"):
+        ns_settings(MDOptimizerConfig(muon_fp32_matmul_prec="highest", muon_tp_mode="blockwise"))

@@ -1,0 +1,99 @@
+"""Blocks of a matrix: a plain matrix is one block; Megatron's fused QKV is three (Q, K, V), each projected
+and orthogonalised on its own (ALGORITHMS.md §2.2). Pure torch; TP shards report global block shapes
+through a ``Reducer``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .md import Reducer
+
+
+def qkv_row_index(
+    num_rows: int, split_shapes: Sequence[int], device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row indices of the Q, K and V blocks of a fused ``linear_qkv`` weight in Megatron's layout.
+
+    Megatron interleaves per query group: ``[q rows of group 0, k rows, v rows, q rows of group 1, ...]``
+    with ``split_shapes = [heads/groups * kv_ch, kv_ch, kv_ch]``. Works on a row-sharded TP piece too
+    (each rank holds whole query groups).
+    """
+    q, k, v = (int(s) for s in split_shapes)
+    per_group = q + k + v
+    if num_rows % per_group:
+        raise ValueError(f"{num_rows} QKV rows are not a multiple of the query-group size {q}+{k}+{v}")
+    starts = torch.arange(num_rows // per_group, device=device).unsqueeze(1) * per_group
+
+    def rows(offset: int, count: int) -> torch.Tensor:
+        return (starts + offset + torch.arange(count, device=device)).reshape(-1)
+
+    return rows(0, q), rows(q, k), rows(q + k, v)
+
+
+@dataclass
+class Block:
+    """A row subset of a matrix (``rows=None``: the whole matrix) and the block's GLOBAL shape.
+
+    ``grouped = (per_group, offset, count)`` when the rows are ``count`` consecutive rows at ``offset`` of
+    every run of ``per_group`` rows (Megatron's fused QKV): the block is then a strided view, no copy.
+    """
+
+    rows: torch.Tensor | None
+    shape: tuple[int, int]
+    grouped: tuple[int, int, int] | None = None
+
+
+def matrix_blocks(
+    local_shape: Sequence[int],
+    split_shapes: Sequence[int] | None = None,
+    reducer: "Reducer | None" = None,
+    device: torch.device | str | None = None,
+) -> list[Block]:
+    """The blocks of a (local) matrix; ``reducer`` gives the global shapes of a TP shard's blocks."""
+    m, n = local_shape
+    glob = reducer.global_shape if reducer is not None else (lambda shape: (int(shape[0]), int(shape[1])))
+    if split_shapes is None:
+        return [Block(None, glob((m, n)))]
+    q, k, v = (int(x) for x in split_shapes)
+    return [Block(idx, glob((idx.numel(), n)), (q + k + v, off, cnt))
+            for idx, off, cnt in zip(qkv_row_index(m, split_shapes, device), (0, q, q + k), (q, k, v))]
+
+
+def block_view(t: torch.Tensor, blk: Block) -> torch.Tensor:
+    """The block as a ``[groups, count, n]`` strided view of ``t`` (a grouped block only)."""
+    per, off, cnt = blk.grouped
+    return t.view(t.shape[0] // per, per, *t.shape[1:])[:, off:off + cnt]
+
+
+def get_block(t: torch.Tensor, blk: Block) -> torch.Tensor:
+    if blk.rows is None:
+        return t
+    if blk.grouped is not None:
+        return block_view(t, blk).reshape(-1, *t.shape[1:])
+    return t.index_select(0, blk.rows)
+
+
+def set_block_(t: torch.Tensor, blk: Block, value: torch.Tensor) -> None:
+    if blk.rows is None:
+        if value is not t:
+            t.copy_(value)
+    elif blk.grouped is not None:
+        view = block_view(t, blk)
+        view.copy_(value.view(view.shape))
+    else:
+        t.index_copy_(0, blk.rows, value)
+
+
+def add_block_(t: torch.Tensor, blk: Block, value: torch.Tensor, alpha: float) -> None:
+    """``t[block] += alpha · value`` in place."""
+    if blk.rows is None:
+        t.add_(value, alpha=alpha)
+    elif blk.grouped is not None:
+        view = block_view(t, blk)
+        view.add_(value.view(view.shape), alpha=alpha)
+    else:
+        t.index_add_(0, blk.rows, value, alpha=alpha)
