@@ -11,7 +11,7 @@ Every section is one torchrun on the CPU runtime (or one process); every figure 
 - ``comm``: payload bytes each rank hands to process-group calls during one step (DDP grad sync plus
   ``optimizer.step()``), muon_md against megatron's distributed Adam on the same layout (TP2 x DP2, bf16,
   ``--use-distributed-optimizer``). Activations' TP traffic is the same for both and not part of a step here.
-- ``ns_rate``: world 1, the achieved rate of the engine's NS (FLOPs / seconds) at each bucket shape of
+- ``ns_rate``: world 1, the achieved rate of the engine's NS kernel (FLOPs / seconds) on each bucket of
   ``dense-181m``, against this machine's measured GEMM rate at the same shapes (best of the three NS GEMMs).
 - ``moe64``: world 1, a MoE with 64 small experts per layer: NS calls per step against the engine's buckets,
   and the step time batched against the per-matrix loop (``--md-ns-per-matrix``).
@@ -268,8 +268,7 @@ def section_comm(args) -> dict:
 def section_ns_rate(args) -> dict:
     import torch
 
-    from megatron_md.optim.msign import msign
-    from megatron_md.parallel.orthogonalize import msign_flops
+    from megatron_md.parallel.orthogonalize import msign_flops, msign_kernel
 
     torch.set_num_threads(2)
     from megatron_md.training.config import resolve
@@ -299,7 +298,8 @@ def section_ns_rate(args) -> dict:
                 ts.append(time.perf_counter() - t0)
             return min(ts)
 
-        t_ns = best(lambda: msign(X, steps=5))
+        kernel = msign_kernel(5, "quintic")  # what the engine runs on a bucket (a CPU loop above 2^15 elements)
+        t_ns = best(lambda: kernel.fn([X], []))
         gemm = {"XXt": (best(lambda: torch.bmm(Y, Y.mT)), 2.0 * B * s * s * l),
                 "AA": (best(lambda: torch.bmm(A, A)), 2.0 * B * s ** 3),
                 "AX": (best(lambda: torch.bmm(A, Y)), 2.0 * B * s * s * l)}

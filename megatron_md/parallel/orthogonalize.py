@@ -179,9 +179,18 @@ class OrthogonalizationEngine:
             return
         me = ranks.index(dist.get_rank())
         owners = self.owners(buckets, size)
-        for bucket, own in zip(buckets, owners):
+        # Pipelined: the gather of bucket i+1 is in flight while bucket i computes; every return is posted
+        # as soon as its bucket is done and waited for at the end. Every rank issues the same sequence.
+        flights = [_Flight(b, own, me, size) for b, own in zip(buckets, owners)]
+        if flights:
+            self._post_gather(flights[0])
+        for i, f in enumerate(flights):
+            if i + 1 < len(flights):
+                self._post_gather(flights[i + 1])
             self.stats.buckets += 1
-            self._run_bucket(bucket, own, me, size)
+            self._compute_and_post_return(f)
+        for f in flights:
+            self._unpack(f)
 
     def _compute(self, bucket: list[Ticket], full_inputs: list[list[torch.Tensor]], owner_of_rank) -> tuple:
         """Run the kernel on the matrices of ``bucket`` (full inputs given per sharded-input index).
@@ -215,9 +224,9 @@ class OrthogonalizationEngine:
         return sh, rp
 
     def _all_to_all(self, send: list[list[torch.Tensor]], recv_sizes: list[int], me: int, group,
-                    like: torch.Tensor) -> list[torch.Tensor]:
-        """One all_to_all_single; ``send[r]``: the tensors for rank r, packed with one copy each into a flat
-        buffer. Returns the flat chunk received from each rank."""
+                    like: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """One asynchronous all_to_all_single; ``send[r]``: the tensors for rank r, packed with one copy each
+        into a flat buffer. Returns (the flat chunk that will arrive from each rank, the work to wait on)."""
         send_sizes = [sum(t.numel() for t in ts) for ts in send]
         flat = like.new_empty(sum(send_sizes))
         off = 0
@@ -226,65 +235,80 @@ class OrthogonalizationEngine:
                 flat[off:off + t.numel()].view(t.shape).copy_(t)
                 off += t.numel()
         out = like.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group)
+        work = dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group, async_op=True)
         es = like.element_size()
         self.stats.collectives += 1
         self.stats.bytes_sent += es * (sum(send_sizes) - send_sizes[me])
         self.stats.bytes_received += es * (sum(recv_sizes) - recv_sizes[me])
-        return list(out.split(recv_sizes))
+        return list(out.split(recv_sizes)), (work, flat)
 
-    def _run_bucket(self, bucket: list[Ticket], own: list[int], me: int, size: int) -> None:
-        first = bucket[0]
-        group, dim, like = first.group, first.dim, first.sharded[0]
-        n_in = len(first.sharded)
-        local_numel = first.sharded[0].numel()
-        mine = [j for j, o in enumerate(own) if o == me]
+    def _post_gather(self, f: "_Flight") -> None:
+        """Shards to owners (a replicated matrix needs nothing: its owner holds it whole)."""
+        if f.dim is None:
+            return
+        send = [[s for j, o in enumerate(f.own) if o == r for s in f.bucket[j].sharded] for r in range(f.size)]
+        f.gathered, f.gather_work = self._all_to_all(send, [len(f.mine) * f.n_in * f.local_numel] * f.size,
+                                                     f.me, f.group, f.like)
 
-        # 1. shards to owners (a replicated matrix needs nothing: its owner holds it whole)
-        if dim is None:
-            full = [[bucket[j].sharded[i] for j in mine] for i in range(n_in)]
+    def _compute_and_post_return(self, f: "_Flight") -> None:
+        """Wait for the shards, one kernel call on the owned matrices, then post every rank its pieces."""
+        if f.dim is None:
+            full = [[f.bucket[j].sharded[i] for j in f.mine] for i in range(f.n_in)]
         else:
-            send = [[s for j, o in enumerate(own) if o == r for s in bucket[j].sharded] for r in range(size)]
-            got = self._all_to_all(send, [len(mine) * n_in * local_numel] * size, me, group, like)
-            shape = tuple(first.sharded[0].shape)
-            full = [[] for _ in range(n_in)]
-            for jj in range(len(mine)):
-                for i in range(n_in):
-                    parts = [got[r][(jj * n_in + i) * local_numel:(jj * n_in + i + 1) * local_numel].view(shape)
-                             for r in range(size)]
-                    full[i].append(torch.cat(parts, dim=dim))
-
-        # 2. one kernel call on the owned matrices of the bucket
-        if mine:
-            sh, rp = self._compute([bucket[j] for j in mine], full, owner_of_rank=me)
-        sh_shapes, rp_shapes = first.kernel.outputs(first.full_shape, [tuple(r.shape) for r in first.replicated])
-
-        # 3. every rank its shard of each sharded output, and the replicated outputs whole
-        per_job = sum(_numel(s) // (1 if dim is None else size) for s in sh_shapes) + sum(_numel(s) for s in rp_shapes)
-        send = [[] for _ in range(size)]
-        for r in range(size):
-            for jj in range(len(mine)):
-                send[r] += [x[jj] if dim is None else x[jj].chunk(size, dim=dim)[r] for x in sh]
+            f.gather_work[0].wait()
+            shape = tuple(f.bucket[0].sharded[0].shape)
+            full = [[] for _ in range(f.n_in)]
+            for jj in range(len(f.mine)):
+                for i in range(f.n_in):
+                    lo = (jj * f.n_in + i) * f.local_numel
+                    parts = [f.gathered[r][lo:lo + f.local_numel].view(shape) for r in range(f.size)]
+                    full[i].append(torch.cat(parts, dim=f.dim))
+            f.gathered = f.gather_work = None
+        sh, rp = self._compute([f.bucket[j] for j in f.mine], full, owner_of_rank=f.me) if f.mine else ([], [])
+        # every rank its shard of each sharded output, and the replicated outputs whole
+        send = [[] for _ in range(f.size)]
+        for r in range(f.size):
+            for jj in range(len(f.mine)):
+                send[r] += [x[jj] if f.dim is None else x[jj].chunk(f.size, dim=f.dim)[r] for x in sh]
                 send[r] += [x[jj] for x in rp]
-        counts = [sum(1 for o in own if o == r) for r in range(size)]
-        got = self._all_to_all(send, [c * per_job for c in counts], me, group, like)
-        cursor = [0] * size
-        for j, t in enumerate(bucket):
-            src = own[j]
-            buf, off = got[src], cursor[src]
+        counts = [sum(1 for o in f.own if o == r) for r in range(f.size)]
+        f.returned, f.return_work = self._all_to_all(send, [c * f.per_job for c in counts], f.me, f.group, f.like)
+
+    def _unpack(self, f: "_Flight") -> None:
+        f.return_work[0].wait()
+        cursor = [0] * f.size
+        for j, t in enumerate(f.bucket):
+            src = f.own[j]
+            buf, off = f.returned[src], cursor[src]
             t.out_sharded, t.out_replicated = [], []
-            for s in sh_shapes:
+            for s in f.sh_shapes:
                 local = list(s)
-                if dim is not None:
-                    local[dim] //= size
+                if f.dim is not None:
+                    local[f.dim] //= f.size
                 n = _numel(local)
                 t.out_sharded.append(buf[off:off + n].view(local))
                 off += n
-            for s in rp_shapes:
+            for s in f.rp_shapes:
                 n = _numel(s)
                 t.out_replicated.append(buf[off:off + n].view(s))
                 off += n
             cursor[src] = off
+
+
+class _Flight:
+    """One bucket's trip through a group: who owns what, and its collectives in flight."""
+
+    def __init__(self, bucket: list[Ticket], own: list[int], me: int, size: int):
+        first = bucket[0]
+        self.bucket, self.own, self.me, self.size = bucket, own, me, size
+        self.group, self.dim, self.like = first.group, first.dim, first.sharded[0]
+        self.n_in, self.local_numel = len(first.sharded), first.sharded[0].numel()
+        self.mine = [j for j, o in enumerate(own) if o == me]
+        self.sh_shapes, self.rp_shapes = first.kernel.outputs(first.full_shape,
+                                                              [tuple(r.shape) for r in first.replicated])
+        self.per_job = (sum(_numel(s) // (1 if self.dim is None else size) for s in self.sh_shapes)
+                        + sum(_numel(s) for s in self.rp_shapes))
+        self.gathered = self.gather_work = self.returned = self.return_work = None
 
 
 def _numel(shape: Sequence[int]) -> int:

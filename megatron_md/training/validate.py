@@ -120,6 +120,12 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         need(o.muon_tp_mode in ("auto", "layer_sharded", "duplicated"),
              f"--muon-tp-mode {o.muon_tp_mode} is megatron Muon's; {o.optimizer} orthogonalises whole matrices: "
              "use layer_sharded (default) or duplicated")
+    if o.optimizer in ("muon_md", "adam_md", "manifold_muon"):
+        need(o.muon_scale_mode == "spectral",
+             f"--muon-scale-mode is megatron Muon's; {o.optimizer} scales its update with --md-scale-mode")
+        need(o.muon_extra_scale_factor == 1.0,
+             f"--muon-extra-scale-factor is megatron Muon's; {o.optimizer} has no extra update scale (its LR sets "
+             "the step: --matrix-lr)")
     if o.optimizer == "manifold_muon":
         need(o.md_ns_coefficients == "quintic" or "md" in o.geometry,
              "--md-ns-coefficients applies to MD groups only and --geometry "

@@ -37,6 +37,10 @@ MOCK = ["--mock-data", "--wandb-mode", "disabled"]
          "--muon-num-ns-steps applies to MD groups only and --geometry hetero has none"),
         (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--md-ns-coefficients", "simple"],
          "--md-ns-coefficients applies to MD groups only"),
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--muon-scale-mode", "unit_rms_norm"],
+         "muon_md scales its update with --md-scale-mode"),
+        (["--model", "tiny-dense", "--optimizer", "adam_md", "--muon-extra-scale-factor", "2"],
+         "--muon-extra-scale-factor is megatron Muon's"),
     ],
 )
 def test_invalid_layouts_and_batches(capsys, args, needle):
