@@ -92,8 +92,8 @@ def phase_timers(subject):
         for _, inner in inner_optimizers(subject.optimizer):
             t.patch(inner, "step", f"inner step: {type(inner).__name__}")
         if subject.name == "muon_md":
-            import megatron_md.mcore.md_optimizer as mdo
             import megatron_md.optim.md as md
+            import megatron_md.optim.muon_md as mdo
             from megatron_md.parallel.orthogonalize import OrthogonalizationEngine
 
             for fn in ("md_prepare", "md_finish_"):

@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 
 from megatron_md.mcore import naming
 from megatron_md.optim import adam
-from megatron_md.optim.md import AdamBase, MDHyperParams, MuonBase, md_finish_, md_prepare
+from megatron_md.optim.md import AdamBase, MDHyperParams, MuonBase
 from megatron_md.optim.muon_md import MDOptimizer
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
@@ -167,43 +167,22 @@ class MegatronMD(MDOptimizer):
                 self.state[p].clear()
                 self._init_param(p, hp, project=True)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Every matrix in three phases: prepare (gains, momentum), orthogonalise (all Muon-base blocks in
-        one engine run: one owner per matrix in its TP group, batched by shape), finish (step, sphere, gains)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        waiting = []
-        for group in self.param_groups:
-            # Gains follow the matrix group's schedule coefficient (ALGORITHMS.md §2.5).
-            max_lr = group.get("max_lr") or 0.0
-            group["gains_lr"] = group["gains_max_lr"] * (group["lr"] / max_lr if max_lr > 0 else 1.0)
-            hp = MDHyperParams.from_group(group)
-            base = self.base_for(hp)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not self.state[p]:  # e.g. state dropped by a load without optimizer state
-                    self._init_param(p, hp, project=False)
-                r = self.reducer_for(p)
-                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, self._param_blocks(p, hp))
-                if not base.orthogonalizes:
-                    md_finish_(p, prep, self.state[p], hp, base, r)
-                elif self.ns["tp_mode"] == "duplicated":
-                    fn = self.orthogonalizer_for(p, hp)
-                    md_finish_(p, prep, self.state[p], hp, base, r,
-                               [fn(U, shape) for U, shape in prep.blocks_to_orthogonalize()])
-                else:
-                    kernel = self.msign_kernel(hp)
-                    tickets = [self.ortho_engine.submit([U], r.group, r.dim, kernel)
-                               for U, _ in prep.blocks_to_orthogonalize()]
-                    waiting.append((p, prep, hp, base, r, tickets))
+    def prepare_group(self, group: dict) -> None:
+        # Gains follow the matrix group's schedule coefficient (ALGORITHMS.md §2.5).
+        max_lr = group.get("max_lr") or 0.0
+        group["gains_lr"] = group["gains_max_lr"] * (group["lr"] / max_lr if max_lr > 0 else 1.0)
+
+    def orthogonalize_all(self, requests: list[tuple]) -> list[list[torch.Tensor]]:
+        """All blocks in one engine run (one owner per matrix in its TP group, batched by shape), or every TP
+        rank on every gathered block with ``--muon-tp-mode duplicated``."""
+        if self.ns["tp_mode"] == "duplicated":
+            return super().orthogonalize_all(requests)
+        tickets = []
+        for p, hp, blocks in requests:
+            r, kernel = self.reducer_for(p), self.msign_kernel(hp)
+            tickets.append([self.ortho_engine.submit([U], r.group, r.dim, kernel) for U, _ in blocks])
         self.ortho_engine.run()
-        for p, prep, hp, base, r, tickets in waiting:
-            md_finish_(p, prep, self.state[p], hp, base, r, [t.out_sharded[0] for t in tickets])
-        return loss
+        return [[t.out_sharded[0] for t in ts] for ts in tickets]
 
     def drop_unowned_state(self) -> None:
         """Forget state of matrices no longer in ``param_groups`` (another DP rank owns them)."""

@@ -1,11 +1,12 @@
-"""MuonMD and AdamMD: torch optimizers over 2-D matrices built on ``md.md_step_`` (ALGORITHMS.md §2).
+"""MuonMD and AdamMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py`` (ALGORITHMS.md §2).
 
 Both project every managed matrix onto its sphere at construction and start the gains at exactly 1,
 so the first forward equals the projected model's. 1-D parameters (norm gains, biases) are refused:
 they belong in a plain AdamW beside this optimizer.
 
 Tensor-parallel glue subclasses and overrides ``reducer_for(p)`` (a Reducer that all-reduces over the
-param's TP group) and ``orthogonalizer_for(p, hp)``; nothing in this module touches process groups.
+param's TP group) and ``orthogonalize_all`` (or ``orthogonalizer_for(p, hp)``); nothing in this module
+touches process groups.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from .md import (
     Orthogonalize,
     Reducer,
     current_gains,
+    default_orthogonalize,
     init_md_state,
     matrix_blocks,
     matrix_params,
-    md_step_,
+    md_finish_,
+    md_prepare,
     project_blocks_,
     recover_direction,
     resolve_split_shapes,
@@ -85,21 +88,47 @@ class MDOptimizer(torch.optim.Optimizer):
         return blocks
 
     # --- step ------------------------------------------------------------------------------------
+    def prepare_group(self, group: dict) -> None:
+        """Hook run on each param group before its step (e.g. a schedule for extra group options)."""
+
+    def orthogonalize_all(self, requests: list[tuple]) -> list[list[torch.Tensor]]:
+        """msign of every block of every matrix: ``requests`` = ``[(p, hp, [(U_block, global_shape), ...])]``.
+
+        Here one after the other in this process; distributed glue overrides this to batch them and give
+        each matrix one owner rank."""
+        out = []
+        for p, hp, blocks in requests:
+            fn = self.orthogonalizer_for(p, hp) or default_orthogonalize(hp)
+            out.append([fn(U, shape) for U, shape in blocks])
+        return out
+
     @torch.no_grad()
     def step(self, closure=None):
+        """Every matrix in three phases (``md.py``): prepare (gain gradients, Ĝ, base direction), orthogonalise
+        the Muon-base blocks of all matrices together, finish (step, sphere, gain Adam, re-fused weight)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        waiting = []
         for group in self.param_groups:
+            self.prepare_group(group)
             hp = MDHyperParams.from_group(group)
+            base = self.base_for(hp)
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if not self.state[p]:  # e.g. state dropped by a load without optimizer state
                     self._init_param(p, hp, project=False)
-                md_step_(p, p.grad, self.state[p], hp, self.base_for(hp), self.reducer_for(p),
-                         self.orthogonalizer_for(p, hp), self._param_blocks(p, hp))
+                r = self.reducer_for(p)
+                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, self._param_blocks(p, hp))
+                if base.orthogonalizes:
+                    waiting.append((p, hp, base, r, prep))
+                else:
+                    md_finish_(p, prep, self.state[p], hp, base, r)
+        done = self.orthogonalize_all([(p, hp, prep.blocks_to_orthogonalize()) for p, hp, _, _, prep in waiting])
+        for (p, hp, base, r, prep), orth in zip(waiting, done):
+            md_finish_(p, prep, self.state[p], hp, base, r, orth)
         return loss
 
     # --- inspection ----------------------------------------------------------------------------
