@@ -5,12 +5,9 @@ through a ``Reducer``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from .md import Reducer
 
 
 def qkv_row_index(
@@ -50,10 +47,11 @@ class Block:
 def matrix_blocks(
     local_shape: Sequence[int],
     split_shapes: Sequence[int] | None = None,
-    reducer: "Reducer | None" = None,
+    reducer: Any = None,
     device: torch.device | str | None = None,
 ) -> list[Block]:
-    """The blocks of a (local) matrix; ``reducer`` gives the global shapes of a TP shard's blocks."""
+    """The blocks of a (local) matrix; ``reducer.global_shape`` (``md.Reducer``) gives a TP shard's global
+    block shapes."""
     m, n = local_shape
     glob = reducer.global_shape if reducer is not None else (lambda shape: (int(shape[0]), int(shape[1])))
     if split_shapes is None:
