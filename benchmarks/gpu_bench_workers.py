@@ -66,7 +66,7 @@ def worker_train(spec: dict) -> dict:
     """Build the trainer from ``megatron-md train`` flags and run it, timing every phase of every step."""
     import torch
 
-    from megatron_md.cli import _train_parser, quiet_megatron
+    from megatron_md.training.arguments import quiet_megatron, train_parser
 
     quiet_megatron()
     from megatron_md.models.presets import count_parameters
@@ -77,7 +77,7 @@ def worker_train(spec: dict) -> dict:
     from megatron_md.training.trainer import Trainer
 
     t_start = time.perf_counter()
-    args = vars(_train_parser().parse_args(spec["argv"]))
+    args = vars(train_parser().parse_args(spec["argv"]))
     args.pop("config", None)
     cfg = C.resolve(None, None, args)
     cuda = cfg.training.device == "cuda"

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_md.training import config as C
+from megatron_md.training.arguments import quiet_megatron, train_parser
 from megatron_md.training.preemption import PREEMPT_MARKER_ENV
 
 
@@ -79,35 +80,9 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="megatron-md train",
-        description="Train a megatron-core GPT/MoE model. Flags use Megatron-LM names.",
-    )
-    p.add_argument("--config", help="YAML file of settings (sections or flat flag names).")
-    p.add_argument("--model", help="Preset name (see `megatron-md params`).")
-    C.add_arguments(p)
-    return p
-
-
-def quiet_megatron() -> None:
-    """Hide megatron-core's import-time chatter (deprecations, missing-Apex fallbacks)."""
-    import logging
-    import warnings
-
-    for cat in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=cat, module=r"megatron\.")
-        warnings.filterwarnings("ignore", category=cat, module=r"torch\.")
-    warnings.filterwarnings("ignore", message="Please use DTensor instead")
-    for name in ("megatron.core.models.gpt.gpt_model", "megatron.core.datasets",
-                 "megatron.core.dist_checkpointing.strategies.torch", "torch.utils.cpp_extension"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    os.environ.setdefault("WANDB_SILENT", "true")
-
-
 def cmd_train(argv: list[str]) -> int:
     quiet_megatron()
-    args = vars(_train_parser().parse_args(argv))
+    args = vars(train_parser().parse_args(argv))
     yaml_path = args.pop("config", None)
     try:
         cfg = C.resolve(None, yaml_path, args)

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in spec.notes:
             print(f"[lr-sweep] note: {note}", file=sys.stderr, flush=True)
         if a.coord_check:
-            from megatron_md.cli import quiet_megatron
+            from megatron_md.training.arguments import quiet_megatron
             from megatron_md.sweep.coord_check import run_coord_check
 
             quiet_megatron()

@@ -33,13 +33,13 @@ COLUMNS = ["optimizer", "width", "lr", "layer", "step", "act_rms", "act_delta_rm
 
 def _cli(spec: SweepSpec, optimizer: str, width: int, seed: int, steps: int) -> tuple[str | None, dict]:
     """The cell's train flags as a config dict, with a constant LR and no warmup."""
-    from megatron_md.cli import _train_parser
+    from megatron_md.training.arguments import train_parser
     from megatron_md.sweep.grid import Cell
 
     lr = lr_of_k(spec.k_centers.get(optimizer, RECIPES[optimizer].k_center))
     wd = spec.weight_decays[0] if spec.weight_decays else RECIPES[optimizer].weight_decay
     cell = Cell(optimizer, width, lr, seed, 0, wd, steps)
-    args = vars(_train_parser().parse_args(spec.train_args(cell)))
+    args = vars(train_parser().parse_args(spec.train_args(cell)))
     args.update(lr_decay_style="constant", lr_warmup_iters=0)
     return args.pop("config", None), args
 

@@ -41,12 +41,12 @@ def cell_dir(out: Path, cell: Cell) -> Path:
 
 def resolve_cell(spec: SweepSpec, cell: Cell, validate: bool = True):
     """The cell's resolved RunConfig, checked like `megatron-md train` checks it (no training)."""
-    from megatron_md.cli import _train_parser
+    from megatron_md.training.arguments import train_parser
     from megatron_md.training import config as C
     from megatron_md.training.validate import validate_config
 
     try:
-        args = vars(_train_parser().parse_args(spec.train_args(cell)))
+        args = vars(train_parser().parse_args(spec.train_args(cell)))
     except SystemExit:
         raise GridError(f"cell {cell.name}: `megatron-md train` rejects its flags: {shlex.join(spec.train_args(cell))}")
     yaml_path = args.pop("config", None)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_md.training.arguments import train_parser
+
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"
 PRETRAIN = SLURM / "pretrain.sbatch"
@@ -316,7 +318,6 @@ def test_composed_flags_parse_with_torchrun_and_megatron_md_train(job):
     own parser and config resolution (no training)."""
     from torch.distributed.run import get_args_parser
 
-    from megatron_md import cli
     from megatron_md.training import config as C
 
     env, tmp = job
@@ -329,7 +330,7 @@ def test_composed_flags_parse_with_torchrun_and_megatron_md_train(job):
         tr = get_args_parser().parse_args(cmd[3:])
         assert tr.module and tr.training_script == "megatron_md.cli" and tr.training_script_args[0] == "train"
         assert tr.shutdown_timeout == 100 and "SIGUSR1" in tr.signals_to_handle
-        args = vars(cli._train_parser().parse_args(tr.training_script_args[1:]))
+        args = vars(train_parser().parse_args(tr.training_script_args[1:]))
         cfg = C.resolve(None, args.pop("config"), args)
         assert cfg.checkpoint.save == cfg.checkpoint.load
         if i < len(rows):

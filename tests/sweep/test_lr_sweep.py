@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_md.training.arguments import train_parser
 from mdtest import REPO, run_cli
 
 from megatron_md.sweep import command, grid as G, results as R, runner
@@ -290,7 +292,6 @@ def test_coord_check_writes_one_row_per_optimizer_width_layer_step(tmp_path):
 
 
 def test_slurm_grid_is_accepted_by_lr_sweep_sbatch(tmp_path, capsys):
-    from megatron_md import cli
     from megatron_md.training import config as C
 
     grid = tmp_path / "g.tsv"
@@ -316,7 +317,7 @@ def test_slurm_grid_is_accepted_by_lr_sweep_sbatch(tmp_path, capsys):
         assert p.returncode == 0, p.stderr
         cmd = shlex.split(p.stdout)
         train = cmd[cmd.index("megatron_md.cli") + 2:]
-        args = vars(cli._train_parser().parse_args(train))
+        args = vars(train_parser().parse_args(train))
         got = C.resolve(None, args.pop("config"), args)
         want = runner.resolve_cell(s, cell)
         assert got.optimizer == want.optimizer and got.model == want.model

@@ -130,7 +130,7 @@ def test_crc32_manifests_verify(tmp_path, monkeypatch):
 def test_every_loader_checks_first_and_the_flag_skips_it(root):
     """load_checkpoint, score/generate's loader and the HF export refuse before reading anything;
     verify=False (--no-verify-checkpoint) goes on to read the (here fake) files."""
-    from megatron_md.cli import _train_parser
+    from megatron_md.training.arguments import train_parser
     from megatron_md.convert.hf_export import export_checkpoint
     from megatron_md.training import checkpointing as ckpt
     from megatron_md.training.config import resolve
@@ -149,7 +149,7 @@ def test_every_loader_checks_first_and_the_flag_skips_it(root):
     assert not isinstance(e.value, CheckpointCorrupted)
     assert _snapshot(root) == before and not (root.parent / "hf").exists()
     for argv, skip in ((["--no-verify-checkpoint"], True), ([], False)):
-        cli = vars(_train_parser().parse_args(["--model", "tiny-dense", *argv]))
+        cli = vars(train_parser().parse_args(["--model", "tiny-dense", *argv]))
         cli.pop("config", None)
         assert resolve(None, None, cli).checkpoint.no_verify_checkpoint is skip
 

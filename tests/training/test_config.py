@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from megatron_md.cli import _train_parser
+from megatron_md.training.arguments import train_parser
 from megatron_md.training.config import FIELDS, RunConfig, flag, resolve
 
 
 def _parse(argv):
-    args = vars(_train_parser().parse_args(argv))
+    args = vars(train_parser().parse_args(argv))
     return args.pop("config", None), args
 
 
 def test_every_field_has_a_megatron_style_flag_with_help():
-    parser = _train_parser()
+    parser = train_parser()
     opts = {s for a in parser._actions for s in a.option_strings}
     for name, (_, f) in FIELDS.items():
         assert flag(name) in opts

@@ -171,9 +171,9 @@ def _with(recipe_section, shrunk_section, *names):
 
 def _shrunk_config(path: Path, *extra: str):
     """The config ``megatron-md train`` resolves from the shrunk command line (the CLI's own parser)."""
-    from megatron_md.cli import _train_parser
+    from megatron_md.training.arguments import train_parser
 
-    values = vars(_train_parser().parse_args([*shrunk_args(path), *extra]))
+    values = vars(train_parser().parse_args([*shrunk_args(path), *extra]))
     return resolve(None, values.pop("config"), values)
 
 
