@@ -257,17 +257,6 @@ def project_blocks_(
     return W.mul_(blocks_sphere_scale(W, blocks, mode, reducer, radius_scale))
 
 
-def _gain_outer(g_row: MaybeTensor, g_col: MaybeTensor) -> MaybeTensor:
-    """Γ = γ_r γ_cᵀ as a broadcastable tensor (None when there are no gains)."""
-    if g_row is not None and g_col is not None:
-        return g_row.unsqueeze(1) * g_col.unsqueeze(0)
-    if g_row is not None:
-        return g_row.unsqueeze(1)
-    if g_col is not None:
-        return g_col.unsqueeze(0)
-    return None
-
-
 def _scaled(t: torch.Tensor, row: MaybeTensor, col: MaybeTensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``diag(row) · t · diag(col)`` by broadcasting, never materialising the m x n outer product.
     ``row``/``col`` may be vectors, ``[m,1]``/``[1,n]`` factors or scalars; a new tensor unless ``out`` is given."""
