@@ -1,4 +1,4 @@
-"""``megatron-md`` command line: train, params, score, generate, demo."""
+"""``megatron-md`` command line: train, params, plan, score, generate, demo."""
 
 from __future__ import annotations
 
@@ -149,6 +149,59 @@ def cmd_params(argv: list[str]) -> int:
     return 0
 
 
+def cmd_plan(argv: list[str]) -> int:
+    """Per-device memory, FLOPs and communication of a run, from its config (``train``'s flags)."""
+    quiet_megatron()
+    p = train_parser()
+    p.prog, p.description = "megatron-md plan", (
+        "Plan a run without launching it: per-device bytes of parameters, gradients, master weights, "
+        "optimizer state and activations (per recomputation mode), FLOPs and communication per step, "
+        "and whether it fits --device-memory. Takes train's flags (--model, layout, optimizer).")
+    g = p.add_argument_group("plan")
+    g.add_argument("--world-size", "--num-gpus", dest="world_size", type=int,
+                   help="Devices in the job (default: --nodes x --gpus-per-node, else --nproc-per-node).")
+    g.add_argument("--nodes", type=int, default=1, help="Nodes (with --gpus-per-node).")
+    g.add_argument("--gpus-per-node", type=int, help="Devices per node.")
+    g.add_argument("--device-memory", help="Memory of one device, e.g. 80GB (10^9 bytes) or 80GiB.")
+    g.add_argument("--attention", default="auto", choices=["auto", "flash", "unfused"],
+                   help="Attention kernel: flash keeps no s x s tensor; auto: unfused for --device cpu or "
+                        "--transformer-impl local, else flash.")
+    g.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    args = vars(p.parse_args(argv))
+    plan_args = {k: args.pop(k, None) for k in ("world_size", "nodes", "gpus_per_node", "device_memory",
+                                                "attention", "json")}
+    yaml_path = args.pop("config", None)
+    from megatron_md.training.plan_report import format_plan, make_plan, parse_bytes
+
+    try:
+        cfg = C.resolve(None, yaml_path, args)
+        world = plan_args["world_size"]
+        if world is None and plan_args["gpus_per_node"]:
+            world = plan_args["nodes"] * plan_args["gpus_per_node"]
+        world = world or cfg.training.nproc_per_node
+        if world < 1:
+            raise ValueError(f"--world-size {world}: must be at least 1")
+        mem = parse_bytes(plan_args["device_memory"]) if plan_args["device_memory"] is not None else None
+        from megatron_md.training.plan import layout_of
+        from megatron_md.training.validate import validate_config
+
+        layout_of(cfg, world)  # the layout's own errors name --world-size, not --nproc-per-node
+        if not cfg.data.data_path:
+            cfg.data.mock_data = True  # a plan reads no data; validate the layout only
+        validate_config(cfg, world)
+        plan = make_plan(cfg, world, mem, plan_args["attention"])
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-md plan: error: {e}", file=sys.stderr)
+        return 2
+    if plan_args["json"]:
+        import json
+
+        print(json.dumps(plan, indent=2))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
 def cmd_score(argv: list[str]) -> int:
     quiet_megatron()
     p = argparse.ArgumentParser(
@@ -250,14 +303,15 @@ def cmd_lr_sweep(argv: list[str]) -> int:
     return sweep_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "params": cmd_params, "score": cmd_score, "generate": cmd_generate,
-            "demo": cmd_demo, "lr-sweep": cmd_lr_sweep}
+COMMANDS = {"train": cmd_train, "params": cmd_params, "plan": cmd_plan, "score": cmd_score,
+            "generate": cmd_generate, "demo": cmd_demo, "lr-sweep": cmd_lr_sweep}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: megatron-md {train,params,score,generate,lr-sweep,demo} [options]   (megatron-md CMD --help)")
+        print("usage: megatron-md {train,params,plan,score,generate,lr-sweep,demo} [options]   "
+              "(megatron-md CMD --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -1,0 +1,330 @@
+"""``megatron-md plan``: per-device memory of a run before launching it, from its config alone.
+
+Closed forms of what the trainer allocates (checked against a real allocation in tests/training/test_plan.py):
+
+- parameters in the param dtype (bf16 or fp32), each rank holding its TP / PP / EP shard;
+- gradients: megatron DDP's grad buffers, fp32 (the trainer reduces in fp32), one full copy per rank;
+- fp32 master weights with ``--bf16``;
+- optimizer state in fp32: AdamW's two moments, Muon momentum, the MD gains and their Adam moments, the
+  Manifold Muon duals (a full ``k x k`` per constrained matrix, k its short side);
+- master weights and optimizer state sharded over DP by ``--use-distributed-optimizer`` (byte-sharded for
+  adam, whole matrices for the layer-wise optimizer: ≈ 1/DP either way);
+- activations per micro-batch by Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models"), term by term for this model (GQA, SwiGLU, QK-norm, MoE experts, unfused or flash
+  attention), with sequence parallelism dividing the norm regions by TP, and 1F1B keeping PP micro-batches
+  in flight on the first stage.
+
+FLOPs, communication and the report live in ``plan_report.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_md.models.builder import padded_vocab_size
+from megatron_md.optim.policy import MANIFOLD_GEOMETRIES, make_policy
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int  # dense data-parallel size
+    edp: int  # expert data-parallel size
+    sp: bool
+    distopt: bool
+    micro_batch: int
+    global_batch: int
+
+    @property
+    def micro_batches(self) -> int:
+        return max(1, self.global_batch // (self.micro_batch * self.dp))
+
+
+def layout_of(cfg, world: int) -> Layout:
+    p, t = cfg.parallel, cfg.training
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    if world % (tp * pp):
+        raise ValueError(f"--world-size {world} is not a multiple of TP x PP = {tp * pp}")
+    dp = world // (tp * pp)
+    if cfg.model.num_experts and world % (ep * etp * pp):
+        raise ValueError(f"--world-size {world} is not a multiple of EP x expert-TP x PP = {ep * etp * pp}")
+    edp = world // (ep * etp * pp) if cfg.model.num_experts else dp
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    return Layout(world, tp, pp, ep, etp, dp, edp, bool(p.sequence_parallel and tp > 1),
+                  bool(p.use_distributed_optimizer), t.micro_batch_size, gbs)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """``count`` parameters of one kind on one rank: local shape, full shape (duals), expert or dense."""
+
+    role: str  # policy role: attention.qkv, mlp.fc1, experts.fc2, router, embedding, head, norm, ...
+    local: tuple
+    full: tuple
+    count: int
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.count * math.prod(self.local)
+
+
+def layers_on_stage(cfg, pp: int) -> int:
+    return math.ceil(cfg.model.num_layers / pp)
+
+
+def inventory(cfg, lay: Layout, stage: int) -> list[Tensor]:
+    """The parameters one rank of pipeline stage ``stage`` holds (no DDP padding)."""
+    m = cfg.model
+    h, d, a, g = m.hidden_size, m.kv_channels, m.num_attention_heads, m.num_query_groups
+    t, L = lay.tp, layers_on_stage(cfg, lay.pp)
+    bias = not m.disable_bias_linear
+    norm_w = 1 if m.normalization == "RMSNorm" else 2
+    out: list[Tensor] = []
+
+    def add(role, full, split_dim, count, expert=False, tp=t):
+        local = list(full)
+        if split_dim is not None:
+            local[split_dim] = full[split_dim] // tp
+        out.append(Tensor(role, tuple(local), tuple(full), count, expert))
+
+    qkv_rows = d * (a + 2 * g)
+    add("attention.qkv", (qkv_rows, h), 0, L)
+    add("attention.proj", (h, a * d), 1, L)
+    add("norm", (norm_w * h,), None, 2 * L)
+    if m.qk_layernorm:
+        add("norm", (norm_w * d,), None, 2 * L)
+    if m.sandwich_norm:
+        add("norm", (norm_w * h,), None, 2 * L)
+    if bias:
+        add("bias", (qkv_rows,), 0, L)
+        add("bias", (h,), None, L)
+    up = 2 if m.swiglu else 1
+    if m.num_experts:
+        f, local_experts = m.moe_ffn_hidden_size, m.num_experts // lay.ep
+        add("router", (m.num_experts, h), None, L)
+        add("experts.fc1", (up * f, h), 0, L * local_experts, True, lay.etp)
+        add("experts.fc2", (h, f), 1, L * local_experts, True, lay.etp)
+        if bias:
+            add("bias", (up * f,), 0, L * local_experts, True, lay.etp)
+            add("bias", (h,), None, L * local_experts, True)
+    else:
+        f = m.ffn_hidden_size
+        add("mlp.fc1", (up * f, h), 0, L)
+        add("mlp.fc2", (h, f), 1, L)
+        if bias:
+            add("bias", (up * f,), 0, L)
+            add("bias", (h,), None, L)
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, t)
+    first, last = stage == 0, stage == lay.pp - 1
+    if first:
+        add("embedding", (vocab, h), 0, 1)
+        if m.position_embedding_type == "learned_absolute":
+            add("position_embedding", (m.max_position_embeddings, h), None, 1)
+    if last:
+        add("norm", (norm_w * h,), None, 1)
+        # Tied embeddings: the last stage keeps its own copy of the word embedding when PP > 1.
+        if m.untie_embeddings_and_output_weights or (lay.pp > 1):
+            add("head", (vocab, h), 0, 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+
+
+def _gain_elems(shape: tuple, gains: str) -> int:
+    rows, cols = shape
+    return {"rowcol": rows + cols, "row": rows, "col": cols, "none": 0}[gains]
+
+
+def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
+    """Bytes of optimizer state by kind for ``tensors`` (unsharded over DP), as the optimizers allocate it."""
+    o = cfg.optimizer
+    kinds = {"adam_moments": 0, "muon_momentum": 0, "md_gains": 0, "manifold_duals": 0}
+    policy = make_policy(o.geometry) if o.optimizer == "manifold_muon" else None
+    md_base = "adam" if o.optimizer == "adam_md" else "muon"
+
+    def adam(n):
+        kinds["adam_moments"] += 2 * FP32 * n
+
+    def base(kind, n):
+        (adam(n) if kind == "adam" else kinds.__setitem__("muon_momentum", kinds["muon_momentum"] + FP32 * n))
+
+    def md(tn: Tensor, base_kind: str, gains: str):
+        base(base_kind, tn.numel)
+        # Gain vector rho plus its two Adam moments, per axis, sized by the rank's shard.
+        kinds["md_gains"] += 3 * FP32 * tn.count * _gain_elems(tn.local, gains)
+
+    for tn in tensors:
+        matrix = len(tn.local) == 2 and tn.role not in ("norm", "bias", "position_embedding")
+        if o.optimizer == "adam" or not matrix:
+            adam(tn.numel)
+        elif o.optimizer == "muon":
+            # megatron's Muon leaves the embedding and the LM head to AdamW
+            base("adam" if tn.role in ("embedding", "head") else "muon", tn.numel)
+        elif o.optimizer in ("muon_md", "adam_md"):
+            if tn.role == "embedding":
+                md(tn, "adam", "none") if o.md_embedding_sphere != "none" else adam(tn.numel)
+            elif tn.role == "head":
+                md(tn, "adam", o.md_output_gains) if o.md_output_sphere != "none" else adam(tn.numel)
+            elif tn.role == "router":
+                md(tn, "muon", o.md_gains)
+            else:
+                md(tn, md_base, o.md_gains)
+        else:  # manifold_muon: the policy's geometry and base per role
+            asg = policy.assign(tn.role)
+            if asg.geometry == "md":
+                gains = {"embedding": "none", "head": o.md_output_gains}.get(tn.role, o.md_gains)
+                md(tn, asg.base, gains)
+            elif asg.geometry in MANIFOLD_GEOMETRIES:
+                base("muon", tn.numel)
+                if o.manifold_mode == "fast":
+                    rows, cols = tn.full
+                    blocks = qkv_rows(cfg) if (o.manifold_split_qkv and tn.role == "attention.qkv") else [rows]
+                    kinds["manifold_duals"] += FP32 * tn.count * sum(min(r, cols) ** 2 for r in blocks)
+            else:
+                base(asg.base, tn.numel)
+    return kinds
+
+
+def qkv_rows(cfg) -> list[int]:
+    m = cfg.model
+    return [m.num_attention_heads * m.kv_channels] + [m.num_query_groups * m.kv_channels] * 2
+
+
+def static_memory(cfg, lay: Layout, stage: int) -> dict:
+    """Bytes of params, grads, master weights and optimizer state on one rank of ``stage``."""
+    tensors = inventory(cfg, lay, stage)
+    dense = [t for t in tensors if not t.expert]
+    expert = [t for t in tensors if t.expert]
+    param_bytes = 2 if cfg.training.bf16 else FP32
+    n_dense, n_expert = sum(t.numel for t in dense), sum(t.numel for t in expert)
+    # The distributed optimizers shard master weights and state over the (expert-)data-parallel group.
+    shard_d = lay.dp if lay.distopt else 1
+    shard_e = lay.edp if lay.distopt else 1
+    state_d, state_e = optimizer_state(cfg, dense), optimizer_state(cfg, expert)
+    state = {k: math.ceil(state_d[k] / shard_d) + math.ceil(state_e[k] / shard_e) for k in state_d}
+    master = 0
+    if cfg.training.bf16:
+        master = math.ceil(FP32 * n_dense / shard_d) + math.ceil(FP32 * n_expert / shard_e)
+    return {
+        "param_count": n_dense + n_expert,
+        "params": param_bytes * (n_dense + n_expert),
+        "grads": FP32 * (n_dense + n_expert),  # grad_reduce_in_fp32: fp32 buffers on every rank
+        "master_weights": master,
+        "optimizer_state": sum(state.values()),
+        "optimizer_state_by_kind": state,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ activations
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def attention_kind(cfg, attention: str = "auto") -> str:
+    """flash: fused attention (TE / cuDNN / flash-attn) keeps no s x s tensor; unfused: megatron's local
+    DotProductAttention stores the softmax. auto: unfused for the CPU or the local spec, else flash."""
+    if attention != "auto":
+        return attention
+    local = cfg.model.transformer_impl == "local" or cfg.training.device == "cpu"
+    return "unfused" if local else "flash"
+
+
+def layer_activation_bytes(cfg, lay: Layout, attention: str, selective: bool = False) -> dict:
+    """Bytes one transformer layer saves for backward per micro-batch (Korthikanti's terms, this model).
+
+    ``seq``: the parts outside TP regions (norm inputs/outputs, the inputs of column-parallel linears),
+    divided by TP under sequence parallelism only; ``tensor``: inside TP regions, divided by TP.
+    """
+    m = cfg.model
+    s, b, h, d = m.seq_length, lay.micro_batch, m.hidden_size, m.kv_channels
+    a, g, t = m.num_attention_heads, m.num_query_groups, lay.tp
+    e = 2 if cfg.training.bf16 else FP32  # activation bytes
+    # megatron's torch norms (local spec) compute and save in fp32; TE's fused norm-linear in the act dtype.
+    ne = FP32 if attention == "unfused" else e
+    tokens = s * b
+    # Norm: its input and normalised output; plus the linear's own copy of its (scaled) input.
+    seq = 2 * (2 * h * ne + h * e)
+    tensor = d * (a + 2 * g) * e  # QKV output (Q, K, V views)
+    if m.qk_layernorm:
+        tensor += (2 * a * d + g * d) * ne  # Q copy, normalised Q and K
+    if attention == "flash" or selective:
+        tensor += (d * (a + 2 * g) + a * d) * e  # Q, K, V into the kernel (or the recompute checkpoint), output
+        softmax = 0
+    else:
+        tensor += 3 * a * d * e  # Q, K and V expanded to all heads (GQA) for the batched matmuls
+        # fp32 probabilities (+ their act-dtype copy for the AV matmul under bf16, + a dropout mask) per token
+        softmax = a * s * (FP32 + (e if e != FP32 else 0) + (1 if m.attention_dropout > 0 else 0))
+    tensor += a * d * e  # out-projection input
+    dropout_mask = 2 * h if m.hidden_dropout > 0 else 0
+    up = 2 if m.swiglu else 1
+    # SwiGLU: gate+up output, silu output and the up half, fc2 input; GELU: fc1 output, fc2 input.
+    mlp = (lambda f: up * f + (2 * f if m.swiglu else 0) + f)
+    if m.num_experts:
+        k, f = m.moe_router_topk, m.moe_ffn_hidden_size
+        # Each routed copy of a token (≈ tokens x top-k land on each EP rank): its permuted input, the expert
+        # MLP and the prob-weighted output.
+        mlp_bytes = tokens * k * (h + (mlp(f) + f) / lay.etp) * e
+        small = tokens * (m.num_experts * FP32 + 3 * k * 8)  # router scores and routing indices
+    else:
+        mlp_bytes, small = tokens * mlp(m.ffn_hidden_size) / t * e, 0
+    seq_bytes = tokens * seq / (t if lay.sp else 1)
+    tensor_bytes = tokens * tensor / t + mlp_bytes
+    rope = 4 * s * d * e if m.position_embedding_type == "rope" else 0  # cos/sin tables, b-independent
+    mask = s * s if attention == "unfused" and not selective else 0  # bool causal mask
+    return {
+        "total": seq_bytes + tensor_bytes + tokens * softmax / t + tokens * dropout_mask + small + rope + mask,
+        "input": tokens * h * e / (t if lay.sp else 1),  # what full recomputation keeps
+    }
+
+
+def stage_extra_activation_bytes(cfg, lay: Layout, stage: int, attention: str) -> float:
+    """Outside the layers: the final norm, LM-head input and fp32 logits on the last stage."""
+    m = cfg.model
+    tokens, e = m.seq_length * lay.micro_batch, 2 if cfg.training.bf16 else FP32
+    ne = FP32 if attention == "unfused" else e  # as in the layers' norms
+    out = tokens * 8  # token ids
+    if stage == lay.pp - 1:
+        vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, lay.tp)
+        out += tokens * m.hidden_size * (2 * ne + e) / (lay.tp if lay.sp else 1)
+        out += tokens * vocab / lay.tp * FP32  # vocab-parallel cross entropy keeps fp32 softmax
+    return out
+
+
+def activation_memory(cfg, lay: Layout, stage: int, attention: str) -> dict:
+    """Activation bytes on one rank of ``stage`` per recomputation mode, 1F1B micro-batches in flight."""
+    in_flight = min(lay.pp - stage, lay.micro_batches)
+    L = layers_on_stage(cfg, lay.pp)
+    full_layer = layer_activation_bytes(cfg, lay, attention)
+    sel_layer = layer_activation_bytes(cfg, lay, attention, selective=True)
+    extra = stage_extra_activation_bytes(cfg, lay, stage, attention)
+    m = cfg.model
+    method = getattr(m, "recompute_method", None) or "uniform"
+    n = max(1, min(getattr(m, "recompute_num_layers", None) or 1, L))
+    if method == "block":
+        full = in_flight * (n * full_layer["input"] + (L - n) * full_layer["total"] + extra)
+        full += full_layer["total"]  # the layer being recomputed in backward
+    else:
+        # uniform: the input of each group of n layers, plus one group's activations while it is recomputed
+        full = in_flight * (math.ceil(L / n) * full_layer["input"] + extra) + n * full_layer["total"]
+    return {
+        "none": in_flight * (L * full_layer["total"] + extra),
+        "selective": in_flight * (L * sel_layer["total"] + extra),
+        "full": full,
+        "in_flight_micro_batches": in_flight,
+        "per_layer_none": full_layer["total"],
+    }
+
+
+def configured_recompute(cfg) -> str:
+    g = getattr(cfg.model, "recompute_granularity", None)
+    return g if g in ("selective", "full") else "none"

@@ -1,0 +1,159 @@
+"""``megatron-md plan`` against what the trainer really allocates, and the command on the big presets.
+
+The multi-rank test launches ``_plan_probe.py`` twice (world 1: DP1; world 2: DP2, TP2, EP2 layouts in one
+process group) and compares each case's per-rank bytes (max over ranks) with the plan's: parameters,
+gradients, master weights and optimizer state within 5%, activations (recompute none) within 25%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_md.training.config import resolve
+from megatron_md.training.plan_report import make_plan, parse_bytes
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+# (world size, case): tiny presets, seq 64, two sequences per micro-batch; every optimizer state kind is
+# covered (AdamW moments, Muon momentum, MD gains, Manifold Muon duals), bf16 master weights, both
+# distributed optimizers (byte-sharded adam, layer-wise), sequence parallelism and expert parallelism.
+CASES = [
+    (1, {"name": "dp1-muon_md-fp32", "model": "tiny-dense", "cli": {"optimizer": "muon_md"}}),
+    # A small vocabulary on some cases so that the layers' activations, not the logits, dominate.
+    (1, {"name": "dp1-adam-bf16", "model": "tiny-dense", "cli": {"optimizer": "adam", "bf16": True,
+                                                                 "vocab_size": 512}}),
+    (2, {"name": "dp2-muon_md-bf16-distopt", "model": "tiny-dense",
+         "cli": {"optimizer": "muon_md", "bf16": True, "use_distributed_optimizer": True}}),
+    (2, {"name": "dp2-adam-bf16-distopt", "model": "tiny-dense",
+         "cli": {"optimizer": "adam", "bf16": True, "use_distributed_optimizer": True}}),
+    (2, {"name": "tp2-sp-manifold_muon", "model": "tiny-dense",
+         "cli": {"optimizer": "manifold_muon", "tensor_model_parallel_size": 2, "sequence_parallel": True,
+                 "vocab_size": 512}}),
+    (2, {"name": "tp2-adam_md", "model": "tiny-dense",
+         "cli": {"optimizer": "adam_md", "tensor_model_parallel_size": 2}}),
+    (2, {"name": "ep2-moe-muon_md-bf16-distopt", "model": "tiny-moe",
+         "cli": {"optimizer": "muon_md", "expert_model_parallel_size": 2, "bf16": True,
+                 "use_distributed_optimizer": True, "vocab_size": 512}}),
+]
+for _, case in CASES:
+    case["cli"]["micro_batch_size"] = 2
+
+STATIC_TOL, ACTIVATION_TOL = 0.05, 0.25
+
+
+def probe(nproc: int, cases: list[dict]) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, *launch, str(HERE / "_plan_probe.py"), json.dumps(cases)]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
+    assert out.returncode == 0 and lines, f"probe failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+def planned(world: int, case: dict) -> dict:
+    cli = {"mock_data": True, "device": "cpu", **case["cli"]}
+    return make_plan(resolve(case["model"], None, dict(cli)), world)
+
+
+def ratios(world: int, case: dict, measured: dict) -> dict:
+    dev = planned(world, case)["per_device"]
+    plan = {"params": dev["params"], "grads": dev["grads"], "master": dev["master_weights"],
+            "state": dev["optimizer_state"], "activations": dev["activations"]["none"]}
+    return {k: (plan[k] / measured[k] if measured[k] else (1.0 if plan[k] == 0 else float("inf")))
+            for k in plan}
+
+
+@pytest.mark.multirank
+def test_plan_matches_the_trainers_allocation():
+    results = {}
+    for world in (1, 2):
+        measured = probe(world, [c for w, c in CASES if w == world])
+        for w, case in CASES:
+            if w == world:
+                results[case["name"]] = ratios(world, case, measured[case["name"]])
+    print(json.dumps(results, indent=1))
+    bad = {name: {k: round(v, 3) for k, v in r.items()
+                  if abs(v - 1) > (ACTIVATION_TOL if k == "activations" else STATIC_TOL)}
+           for name, r in results.items()}
+    assert not any(bad.values()), f"plan / allocated off: {bad}\nall: {results}"
+
+
+def plan_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``megatron-md plan ARGS`` in this process (the command only computes; no process group)."""
+    from megatron_md.cli import main
+
+    capsys.readouterr()
+    rc = main(["plan", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("model, extra", [
+    ("dense-1.29b", []),
+    ("moe-6.7b", ["--expert-model-parallel-size", "8"]),
+])
+def test_plan_big_presets_on_8x80gb(capsys, model, extra):
+    from megatron_md.models.presets import count_parameters
+
+    rc, stdout, _ = plan_cli(capsys, "--json", "--model", model, "--num-gpus", "8", "--device-memory", "80GB", "--bf16",
+                     "--use-distributed-optimizer", "--optimizer", "muon_md", "--micro-batch-size", "4",
+                     "--global-batch-size", "256", *extra)
+    assert rc == 0
+    plan = json.loads(stdout)
+    dev, n = plan["per_device"], count_parameters(resolve(model, None, {}).model)
+    assert plan["parameters"]["total"] == n.total
+    # Param bytes: bf16 x this rank's share (all of a dense model at TP1; 1/EP of the experts at EP8).
+    ep = plan["layout"]["ep"]
+    assert 2 * n.total / ep <= dev["params"] <= 2 * n.total * 1.01, dev["params"]
+    if ep == 1:
+        pad = plan["parameters"]["padded_vocab"] - resolve(model, None, {}).model.vocab_size
+        assert dev["params"] == 2 * (n.total + 2 * pad * 2048)
+        assert dev["grads"] == 2 * dev["params"]  # fp32 grad buffers
+        # Master weights and Adam moments sharded 8 ways.
+        assert abs(dev["master_weights"] - 4 * n.total / 8) / (4 * n.total / 8) < 0.01
+    acts = dev["activations"]
+    assert acts["full"] < acts["selective"] <= acts["none"]
+    assert dev["total"]["none"] == dev["static_total"] + acts["none"]
+    assert plan["fits"]["full"] is True and plan["device_memory"] == 80 * 10**9
+    fl = plan["flops_per_step"]
+    tokens = plan["layout"]["global_batch"] * plan["layout"]["seq_length"]
+    assert 6 * n.active * tokens * 0.8 < fl["model"] < 6 * n.active * tokens * 1.5
+    assert 0 < fl["optimizer_newton_schulz"] < fl["model"]  # at 256 x 1024 tokens per step
+    comm = plan["communication_per_device"]
+    assert comm["dp_grad_reduce_scatter"] > 0 and comm["dp_param_all_gather"] > 0
+    assert (comm["ep_all_to_all"] > 0) == (ep > 1)
+
+
+def test_plan_text_table_and_fit_verdict(capsys):
+    rc, stdout, _ = plan_cli(capsys, "--model", "dense-1.29b", "--num-gpus", "8", "--device-memory", "8GB")
+    assert rc == 0 and "DOES NOT FIT" in stdout and "optimizer: adam moments" in stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--device-memory", "eighty"], "--device-memory 'eighty'"),
+    (["--device-memory", "80XB"], "--device-memory '80XB'"),
+    (["--device-memory=-1GB"], "--device-memory '-1GB'"),
+    (["--device-memory", "0GB"], "--device-memory '0GB'"),
+    (["--num-gpus", "3", "--tensor-model-parallel-size", "2"], "--world-size 3"),
+])
+def test_plan_bad_input(capsys, args, needle):
+    rc, _, stderr = plan_cli(capsys, "--model", "dense-1.29b", *args)
+    assert rc == 2 and needle in stderr, stderr[-2000:]
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("141 GiB") == 141 * 2**30
+    assert parse_bytes("96e9") == 96 * 10**9
+    with pytest.raises(ValueError, match="--device-memory"):
+        parse_bytes("80 gigs")
