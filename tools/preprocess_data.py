@@ -10,6 +10,8 @@ Example (the embedded demo corpus):
         --tokenizer-type SentencePieceTokenizer --tokenizer-model data/python_docs_sp4096.model \\
         --append-eod --workers 2
 
+(a Hugging Face tokenizer: ``--tokenizer-model tokenizer.json`` or a tokenizer directory; GPT-2 BPE:
+``--vocab-file vocab.json --merge-file merges.txt``; ``--tokenizer-type`` is detected from them)
 writes ``data/python_docs_text_document.bin`` and ``.idx``; pass
 ``--data-path data/python_docs_text_document`` to training.  jsonl inputs: one JSON object per
 line, the ``--json-keys`` fields are the documents (one output per key); txt inputs: one
@@ -36,8 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input", required=True, help="x.jsonl, x.jsonl.xz, x.jsonl.gz or x.txt")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl fields to tokenize (default: text)")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model (tools/train_tokenizer.py)")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="default: from the files (--vocab-file/--merge-file: GPT2BPETokenizer; a directory or "
+                   ".json --tokenizer-model: HuggingFaceTokenizer; another file: SentencePieceTokenizer)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model (tools/train_tokenizer.py), Hugging Face tokenizer.json or directory")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
     g = p.add_argument_group("output")
@@ -64,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         preprocess(
             args.input, args.output_prefix,
             tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-            vocab_size=args.vocab_size, json_keys=args.json_keys, append_eod=args.append_eod,
+            vocab_size=args.vocab_size, vocab_file=args.vocab_file, merge_file=args.merge_file,
+            json_keys=args.json_keys, append_eod=args.append_eod,
             workers=args.workers, chunk_size=args.chunk_size, overwrite=args.overwrite,
             log=lambda m: print(m, file=sys.stderr, flush=True), log_interval=args.log_interval,
         )

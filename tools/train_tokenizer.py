@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_md.training.tokenizer import Tokenizer, train_sentencepiece
+    from megatron_md.training.tokenizer import build_tokenizer, train_sentencepiece
 
     model = Path(args.model_prefix + ".model")
     if model.exists() and not args.overwrite:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"train_tokenizer.py: error: {e}", file=sys.stderr)
         return 2
-    tok = Tokenizer(path)
+    tok = build_tokenizer("SentencePieceTokenizer", path)  # as training will read it: megatron-core's
     print(f"wrote {path} (vocab {tok.vocab_size}; unk={tok.unk} bos={tok.bos} eod={tok.eod} pad={tok.pad})",
           file=sys.stderr)
     return 0

@@ -58,7 +58,8 @@ def shutdown() -> None:
 # ----------------------------------------------------------------------------- the run's model
 
 def load_run_config(load: str | Path, iteration: int | None = None):
-    """(RunConfig at TP=PP=EP=1, checkpoint dir, tokenizer.model or None, the run's ParallelConfig)."""
+    """(RunConfig at TP=PP=EP=1, checkpoint dir, the run's tokenizer (megatron-core's, from the files saved
+    with the checkpoint) or None, the run's ParallelConfig)."""
     from megatron_md.training import checkpointing as ckpt
     from megatron_md.training.config import RunConfig
 
@@ -72,13 +73,13 @@ def load_run_config(load: str | Path, iteration: int | None = None):
     cfg.training.device, cfg.training.nproc_per_node = "cpu", 1
     cfg.model.transformer_impl = "local"
     cfg.model.moe_grouped_gemm = False  # megatron checkpoints grouped and sequential experts alike
-    d = cfg.data
-    uses_tokenizer = not d.mock_data and d.tokenizer_type != "NullTokenizer" and d.tokenizer_model
-    tok = path / "tokenizer.model"
-    return cfg, path, (tok if uses_tokenizer and tok.exists() else None), saved
+    from megatron_md.training.tokenizer import tokenizer_for_data, use_checkpoint_tokenizer
+
+    tok = tokenizer_for_data(cfg.data) if use_checkpoint_tokenizer(cfg.data, path) else None
+    return cfg, path, tok, saved
 
 
-def checkpoint_vocab(path: Path, cfg, tokenizer_model: Path | None, saved_tp: int) -> tuple[int, int]:
+def checkpoint_vocab(path: Path, cfg, tokenizer, saved_tp: int) -> tuple[int, int]:
     """(padded vocabulary stored in the checkpoint, real vocabulary); refuses a mismatch."""
     from megatron.core import dist_checkpointing
 
@@ -89,10 +90,8 @@ def checkpoint_vocab(path: Path, cfg, tokenizer_model: Path | None, saved_tp: in
     if key not in meta:
         raise ConversionError(f"{path}: no {key} in the checkpoint (not a model checkpoint of this trainer?)")
     rows = meta[key].global_shape[0]
-    if tokenizer_model is not None:
-        from megatron_md.training.tokenizer import Tokenizer
-
-        raw, what = Tokenizer(tokenizer_model).vocab_size, f"the tokenizer's {tokenizer_model.name}"
+    if tokenizer is not None:
+        raw, what = tokenizer.vocab_size, f"the tokenizer's vocabulary ({cfg.data.tokenizer_type})"
     else:
         raw, what = cfg.model.vocab_size, "model.vocab_size"
     div = cfg.model.make_vocab_size_divisible_by
@@ -150,14 +149,13 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def sample_tokens(cfg, tokenizer_model: Path | None, raw_vocab: int, length: int = 48) -> torch.Tensor:
+def sample_tokens(cfg, tokenizer, raw_vocab: int, length: int = 48) -> torch.Tensor:
     """Two rows of ids to compare logits on: the tokenizer's sample texts, or seeded random ids."""
     n = min(length, cfg.model.seq_length)
-    if tokenizer_model is not None:
+    if tokenizer is not None:
         from megatron_md.convert.hf_tokenizer import SAMPLE_TEXTS
-        from megatron_md.training.tokenizer import Tokenizer
 
-        ids = Tokenizer(tokenizer_model).tokenize(" ".join(SAMPLE_TEXTS))
+        ids = tokenizer.tokenize(" ".join(SAMPLE_TEXTS))
         ids = (ids * (2 * n // max(len(ids), 1) + 1))[: 2 * n]
         return torch.tensor(ids).view(2, n)
     g = torch.Generator().manual_seed(0)
@@ -274,10 +272,9 @@ def export_checkpoint(
         tensors = {k: v.to(out_dtype) for k, v in megatron_to_hf(fam, m, sd).items()}
         special = {}
         if tok is not None:
-            from megatron_md.convert.hf_tokenizer import save_hf_tokenizer, special_token_ids
+            from megatron_md.convert.hf_tokenizer import write_hf_tokenizer
 
-            save_hf_tokenizer(tok, tmp, m.max_position_embeddings)
-            special = special_token_ids(tok)
+            special = write_hf_tokenizer(cfg.data, tok, tmp, m.max_position_embeddings)
         hf_config(fam, m, vocab, out_dtype, special).save_pretrained(str(tmp))
         add_v4_keys(tmp / "config.json", fam, m)
         files = write_safetensors(tensors, tmp, parse_size(max_shard_size))

@@ -2,7 +2,8 @@
 
 Writes ``OUTPUT/iter_0000000/`` (model weights only: no optimizer, scheduler or RNG state),
 ``run_config.yaml`` derived from ``config.json`` (training settings from ``--config``), the
-tokenizer (when the HF directory has a SentencePiece ``tokenizer.model``) and
+tokenizer (the HF directory's SentencePiece ``tokenizer.model``, else its Hugging Face
+``tokenizer.json``; training, score, generate and export then use it) and
 ``latest_checkpointed_iteration.txt``. Continue training with
 ``megatron-md train --config OUTPUT/iter_0000000/run_config.yaml --pretrained-checkpoint OUTPUT``
 (or ``--load OUTPUT --no-load-optim``); MD optimizers start their gains at 1 from these weights.
@@ -86,23 +87,56 @@ def import_config(hc: dict, config_path: str | None, hf_dir: Path):
     return cfg
 
 
-def _tokenizer_for(cfg, hf_dir: Path, vocab: int):
-    """The HF dir's tokenizer.model (else the --config one), checked to pad to the model's vocabulary."""
-    from megatron_md.models.builder import padded_vocab_size
-    from megatron_md.training.tokenizer import Tokenizer
+def _fit_vocab_padding(cfg, raw: int, vocab: int) -> int | None:
+    """The smallest make_vocab_size_divisible_by that pads ``raw`` tokens to exactly ``vocab`` rows at the
+    run's TP (the trainer sizes the embedding from the tokenizer), or None. E.g. Qwen3: 151669 tokens,
+    151936 rows: 1187 (151936 = 128 x 1187), which stays exact at any TP dividing 128."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    if raw > vocab or vocab % tp:
+        return None
+    per_rank = vocab // tp
+    for div in range((vocab - raw) // tp + 1, per_rank + 1):
+        if per_rank % div == 0:
+            return div
+    return None
 
-    sp = hf_dir / "tokenizer.model"
-    if not sp.is_file():
-        if not cfg.data.tokenizer_model:
-            return None, "no tokenizer.model in the HF directory: the run config uses model.vocab_size"
-        sp = Path(cfg.data.tokenizer_model)
-    raw = Tokenizer(sp).vocab_size
-    padded = padded_vocab_size(raw, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+
+def _tokenizer_for(cfg, hf_dir: Path, vocab: int):
+    """(where the tokenizer comes from, as DataConfig-like fields, or None; a note). The HF directory's
+    tokenizer.model (SentencePiece), else its tokenizer.json / tokenizer_config.json (Hugging Face),
+    else the --config one; checked to pad to the model's vocabulary."""
+    from types import SimpleNamespace
+
+    from megatron_md.models.builder import padded_vocab_size
+    from megatron_md.training.tokenizer import (HUGGINGFACE, SENTENCEPIECE, data_tokenizer_kind,
+                                                tokenizer_for_data)
+
+    own = True
+    if (hf_dir / "tokenizer.model").is_file():
+        src = SimpleNamespace(tokenizer_type=SENTENCEPIECE, tokenizer_model=str(hf_dir / "tokenizer.model"))
+    elif any((hf_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        src = SimpleNamespace(tokenizer_type=HUGGINGFACE, tokenizer_model=str(hf_dir))
+    elif data_tokenizer_kind(cfg.data):
+        src, own = SimpleNamespace(**{k: getattr(cfg.data, k) for k in
+                                      ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}), False
+    else:
+        return None, "no tokenizer in the HF directory: the run config uses model.vocab_size"
+    src.tokenizer_type = data_tokenizer_kind(src)
+    raw = tokenizer_for_data(src).vocab_size
+    m = cfg.model
+    padded = padded_vocab_size(raw, m.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
+    name = Path(src.tokenizer_model).name if src.tokenizer_model else "the tokenizer"
+    note = f"tokenizer {name} ({src.tokenizer_type}, {raw} tokens) copied beside the checkpoint"
     if padded != vocab:
-        if sp.parent == hf_dir:
-            return None, f"tokenizer.model has {raw} pieces, padded {padded} != vocab_size {vocab}: not used"
-        raise ConversionError(f"--config tokenizer_model {sp}: {raw} pieces pad to {padded}, not the model's {vocab}")
-    return sp, f"tokenizer {sp.name} ({raw} pieces) copied beside the checkpoint"
+        div = _fit_vocab_padding(cfg, raw, vocab) if own else None
+        if div is not None:
+            note += f"; make_vocab_size_divisible_by {m.make_vocab_size_divisible_by} -> {div} so they pad to {vocab}"
+            m.make_vocab_size_divisible_by = div
+        elif own:
+            return None, f"{name} has {raw} tokens, padded {padded} != vocab_size {vocab}: not used"
+        else:
+            raise ConversionError(f"--config tokenizer {name}: {raw} tokens pad to {padded}, not the model's {vocab}")
+    return src, note
 
 
 class _Tracking(dict):
@@ -132,13 +166,17 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path, *, config: str | N
     fam = choose_family(m)
     if fam.name != hc["model_type"]:
         raise ConversionError(f"internal: config.json {hc['model_type']} maps back to {fam.name}")
-    sp, tok_note = _tokenizer_for(cfg, hf_dir, m.vocab_size)
+    tok_src, tok_note = _tokenizer_for(cfg, hf_dir, m.vocab_size)
     if (root / ckpt.LATEST).exists() or ckpt.iter_dir(root, 0).exists():
         raise FileExistsError(f"--output {root}: already holds a checkpoint; choose an empty directory")
     final = ckpt.iter_dir(root, 0)
-    if sp is not None:
-        cfg.data.tokenizer_model = str((final / "tokenizer.model").resolve())
-        cfg.data.tokenizer_type = "SentencePieceTokenizer"
+    if tok_src is not None:  # the run config names the copies saved with the checkpoint
+        from megatron_md.training.tokenizer import checkpoint_tokenizer_paths
+
+        cfg.data.tokenizer_type = tok_src.tokenizer_type
+        cfg.data.tokenizer_model = cfg.data.vocab_file = cfg.data.merge_file = None
+        for k, v in checkpoint_tokenizer_paths(tok_src.tokenizer_type, final.resolve()).items():
+            setattr(cfg.data, k, v)
     tracked = _Tracking(hf)
     mapped = hf_to_megatron(m, tracked)
     # A tied model's lm_head.weight (some checkpoints store it) is ignored by transformers too.
@@ -174,12 +212,14 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path, *, config: str | N
     finally:
         shutdown()
     (partial / ckpt.RUN_CONFIG).write_text(run_yaml)
-    if sp is not None:
-        shutil.copy2(sp, partial / "tokenizer.model")
+    if tok_src is not None:
+        from megatron_md.training.tokenizer import save_tokenizer_files
+
+        save_tokenizer_files(tok_src, partial)
     from megatron_md.training.ckpt_integrity import write_manifest
 
     write_manifest(partial)  # checksums.json, as save_checkpoint writes (one process here)
     partial.rename(final)
     (root / ckpt.LATEST).write_text("0\n")
     log(f"import: {hf_dir} ({hc['model_type']}) -> {final}; {tok_note}")
-    return {"family": fam.name, "path": str(final), "vocab_size": m.vocab_size, "tokenizer": sp is not None}
+    return {"family": fam.name, "path": str(final), "vocab_size": m.vocab_size, "tokenizer": tok_src is not None}

@@ -1,11 +1,12 @@
-"""A run's SentencePiece model as a Hugging Face fast tokenizer that encodes the same ids.
+"""The run's tokenizer for a Hugging Face export (``write_hf_tokenizer``).
 
-The ``tokenizer.json`` is built from the model's own settings (pieces, scores, normalizer spec),
+A Hugging Face or GPT-2 BPE tokenizer is written as it is. A SentencePiece model becomes a Hugging
+Face fast tokenizer that encodes the same ids: the ``tokenizer.json`` is built from the model's own settings (pieces, scores, normalizer spec),
 so ``AutoTokenizer.from_pretrained`` needs neither ``sentencepiece`` nor a slow-tokenizer class:
 BPE merges are ranked by piece score (SentencePiece's merge order), byte fallback is kept, and
 spaces become ``▁``. Special tokens (``<s>``, ``</s>``, ``<pad>``) are not matched inside text
 (``split_special_tokens``), as in SentencePiece, and nothing is added around the ids: ``encode``
-returns what ``megatron_md.training.tokenizer.Tokenizer.tokenize`` returns. The export checks this
+returns what megatron-core's SentencePiece tokenizer (``build_tokenizer``) returns. The export checks this
 on a sample before it writes anything.
 """
 
@@ -116,18 +117,39 @@ def save_hf_tokenizer(sp_model: str | Path, out_dir: str | Path, model_max_lengt
     check_same_ids(sp_model, out)
 
 
-def check_same_ids(sp_model: str | Path, hf_dir: str | Path, texts=SAMPLE_TEXTS) -> None:
-    """Refuse (ConversionError) unless AutoTokenizer on ``hf_dir`` encodes ``texts`` like our tokenizer."""
+def write_hf_tokenizer(data, tokenizer, out_dir: str | Path, model_max_length: int) -> dict:
+    """Write the run's tokenizer into the export ``out_dir``; returns the bos/eos/pad ids for config.json.
+
+    SentencePiece: converted to a tokenizer.json (``save_hf_tokenizer``). A Hugging Face or GPT-2 BPE
+    tokenizer already is one: megatron-core's ``save_pretrained`` writes its files as the run read them."""
+    from megatron_md.training.tokenizer import SENTENCEPIECE, data_tokenizer_kind
+
+    if data_tokenizer_kind(data) == SENTENCEPIECE:
+        save_hf_tokenizer(data.tokenizer_model, out_dir, model_max_length)
+        return special_token_ids(data.tokenizer_model)
+    tokenizer.save_pretrained(str(out_dir))
+    check_same_ids(tokenizer, out_dir)
+    ids = {"bos_token_id": tokenizer.bos, "eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+    return {k: (int(v) if v is not None and v >= 0 else None) for k, v in ids.items()}
+
+
+def check_same_ids(ours, hf_dir: str | Path, texts=SAMPLE_TEXTS) -> None:
+    """Refuse (ConversionError) unless AutoTokenizer on ``hf_dir`` encodes ``texts`` like our tokenizer
+    (``ours``: a SentencePiece model path or a megatron-core tokenizer)."""
     from transformers import AutoTokenizer
 
-    from megatron_md.training.tokenizer import Tokenizer
+    from megatron_md.training.tokenizer import build_tokenizer
 
-    ours = Tokenizer(sp_model)
+    what = ours
+    if isinstance(ours, (str, Path)):
+        ours = build_tokenizer("SentencePieceTokenizer", ours)
+    else:
+        what = f"tokenizer {getattr(ours, 'path', '')}"
     hf = AutoTokenizer.from_pretrained(str(hf_dir))
     for text in texts:
         a, b = ours.tokenize(text), hf.encode(text, verbose=False)
         if a != b:
             raise ConversionError(
                 f"the Hugging Face tokenizer written to {hf_dir} encodes {text!r} as {b[:16]}... but the run's "
-                f"SentencePiece model {sp_model} gives {a[:16]}...; not exporting a tokenizer that disagrees"
+                f"{what} gives {a[:16]}...; not exporting a tokenizer that disagrees"
             )

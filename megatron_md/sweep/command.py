@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
 def build_spec(a, extra: list[str]) -> G.SweepSpec:
     base = ["--config", a.config] if a.config else ["--model", a.model or "tiny-dense"]
     if getattr(a, "corpus", None):
-        given = [f for f in ("--data-path", "--tokenizer-model", "--mock-data") if any(x.split("=")[0] == f for x in extra)]
+        given = [f for f in ("--data-path", "--tokenizer-model", "--vocab-file", "--mock-data") if any(x.split("=")[0] == f for x in extra)]
         if given:
             raise G.GridError(f"--corpus and {given[0]} after '--' both choose the data; keep one")
         from megatron_md.training.data import prepare_demo_data

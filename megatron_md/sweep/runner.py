@@ -79,10 +79,11 @@ def param_count(cfg) -> int:
     from megatron_md.models.presets import count_parameters
 
     raw = cfg.model.vocab_size
-    if cfg.data.tokenizer_model and not cfg.data.mock_data and cfg.data.tokenizer_type != "NullTokenizer":
-        from megatron_md.training.tokenizer import Tokenizer
+    from megatron_md.training.tokenizer import tokenizer_for_data
 
-        raw = Tokenizer(cfg.data.tokenizer_model).vocab_size
+    tok = tokenizer_for_data(cfg.data)  # None: mock data / NullTokenizer
+    if tok is not None:
+        raw = tok.vocab_size
     multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
     m = copy.copy(cfg.model)
     m.vocab_size = int(math.ceil(raw / multiple) * multiple)  # models.builder.padded_vocab_size, without torch

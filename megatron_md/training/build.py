@@ -57,11 +57,10 @@ def seed_everything(seed: int) -> None:
 
 
 def make_tokenizer(cfg: RunConfig):
-    if cfg.data.mock_data or cfg.data.tokenizer_type == "NullTokenizer" or not cfg.data.tokenizer_model:
-        return None
-    from megatron_md.training.tokenizer import Tokenizer
+    """megatron-core's tokenizer for the run's --tokenizer-* flags; None for mock data / NullTokenizer."""
+    from megatron_md.training.tokenizer import tokenizer_for_data
 
-    return Tokenizer(cfg.data.tokenizer_model)
+    return tokenizer_for_data(cfg.data)
 
 
 def vocab_size_for(cfg: RunConfig, tokenizer) -> int:

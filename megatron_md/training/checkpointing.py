@@ -181,7 +181,15 @@ def save_checkpoint(
     dist.barrier()
     if rank == 0:
         (partial / RUN_CONFIG).write_text(run_config_yaml)
-        if tokenizer_model:
+        import yaml
+
+        from megatron_md.training.tokenizer import save_tokenizer_files
+
+        # which tokenizer files to keep: the run config's data section (SentencePiece, HF, GPT-2 BPE)
+        data = (yaml.safe_load(run_config_yaml) or {}).get("data") or {}
+        if data:
+            save_tokenizer_files(data, partial)
+        elif tokenizer_model:
             shutil.copy2(tokenizer_model, partial / "tokenizer.model")
     write_manifest(partial)  # collective: every rank hashes a share of the files, rank 0 writes checksums.json
     if rank == 0:

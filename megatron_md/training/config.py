@@ -195,10 +195,16 @@ class DataConfig:
     )
     split: str = opt("969,30,1", "Train,valid,test proportions.")
     mock_data: bool = opt(False, "Random tokens instead of a dataset.")
-    tokenizer_type: str = opt(
-        "SentencePieceTokenizer", "Tokenizer.", ["SentencePieceTokenizer", "NullTokenizer"]
+    tokenizer_type: Optional[str] = opt(
+        None, "Tokenizer (unset: from the files: --vocab-file/--merge-file are GPT2BPETokenizer, a directory "
+        "or .json --tokenizer-model HuggingFaceTokenizer, any other file SentencePieceTokenizer).",
+        ["SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"],
     )
-    tokenizer_model: Optional[str] = opt(None, "SentencePiece .model file.")
+    tokenizer_model: Optional[str] = opt(
+        None, "SentencePiece .model, Hugging Face tokenizer.json, or a local Hugging Face tokenizer directory."
+    )
+    vocab_file: Optional[str] = opt(None, "GPT2BPETokenizer: the vocab.json.")
+    merge_file: Optional[str] = opt(None, "GPT2BPETokenizer: the merges.txt.")
     data_cache_path: Optional[str] = opt(None, "Where GPTDataset caches its indices.")
 
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 SPLIT_NAMES = ("train", "validation", "test")
-_INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
 _PREPROCESS_HINT = "create it with tools/preprocess_data.py (it writes PREFIX.bin and PREFIX.idx)"
 
 
@@ -115,34 +114,29 @@ def split_document_ranges(num_documents: int, split: str) -> list[Optional[tuple
 
 # --------------------------------------------------------------------------- .idx reading
 def read_sequence_lengths(prefix: str) -> np.ndarray:
-    """The per-sequence token counts of ``PREFIX.idx`` (checked against ``PREFIX.bin``)."""
+    """The per-sequence token counts of ``PREFIX.idx`` (read by megatron-core's ``IndexedDataset``),
+    checked against the size of ``PREFIX.bin``; a damaged pair is a ValueError naming ``--data-path``."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     idx, bin_ = prefix + ".idx", prefix + ".bin"
-    with open(idx, "rb") as f:
-        header = f.read(9)
-        if header != _INDEX_HEADER:
-            raise ValueError(
-                f"--data-path {prefix}: {idx} is not a megatron indexed dataset (bad header); "
-                "rebuild it with tools/preprocess_data.py --overwrite"
-            )
-        try:
-            version, = np.frombuffer(f.read(8), dtype="<u8")
-            code, = np.frombuffer(f.read(1), dtype="<u1")
-            seq_count, = np.frombuffer(f.read(8), dtype="<u8")
-            _doc_count, = np.frombuffer(f.read(8), dtype="<u8")
-            lengths = np.fromfile(f, dtype="<i4", count=int(seq_count))
-        except ValueError:
-            lengths = None
-    if lengths is None or len(lengths) != int(seq_count):
-        raise ValueError(f"--data-path {prefix}: {idx} is truncated; rebuild it with tools/preprocess_data.py --overwrite")
-    itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}.get(int(code))  # DType codes
-    if itemsize is not None:
-        expected = int(lengths.astype(np.int64).sum()) * itemsize
-        actual = os.path.getsize(bin_)
-        if actual != expected:
-            raise ValueError(
-                f"--data-path {prefix}: {bin_} holds {actual} bytes but {idx} describes {expected}; "
-                "the pair is inconsistent -- rebuild it with tools/preprocess_data.py --overwrite"
-            )
+    rebuild = "rebuild it with tools/preprocess_data.py --overwrite"
+    try:
+        ds = IndexedDataset(prefix, mmap=True)
+        # copies: the arrays view the index's mmap, which closes when ``ds`` is collected
+        lengths = np.array(ds.sequence_lengths)
+        last = int(ds.index.sequence_pointers[-1]) if len(lengths) else 0
+        itemsize = np.dtype(ds.index.dtype).itemsize
+        del ds
+    except (AssertionError, ValueError, OSError, struct.error) as e:  # bad header, truncated index
+        raise ValueError(f"--data-path {prefix}: {idx} is not a readable megatron indexed dataset "
+                         f"({e or type(e).__name__}); {rebuild}") from None
+    expected = last + int(lengths[-1]) * itemsize if len(lengths) else 0
+    actual = os.path.getsize(bin_)
+    if actual != expected:
+        raise ValueError(
+            f"--data-path {prefix}: {bin_} holds {actual} bytes but {idx} describes {expected}; "
+            f"the pair is inconsistent -- {rebuild}"
+        )
     return lengths
 
 
@@ -210,9 +204,10 @@ def validate_data(
     validation must hold at least ``seq_length + 1`` tokens (one sample)."""
     if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
         raise ValueError(f"--seq-length must be a positive integer, got {seq_length!r}")
-    if tokenizer_model is not None and not os.path.isfile(tokenizer_model):
+    if tokenizer_model is not None and not os.path.exists(tokenizer_model):
         raise ValueError(
-            f"--tokenizer-model {tokenizer_model}: no such file (train one with tools/train_tokenizer.py)"
+            f"--tokenizer-model {tokenizer_model}: no such file (train one with tools/train_tokenizer.py, or "
+            "pass a Hugging Face tokenizer.json / tokenizer directory)"
         )
     if mock:
         return
@@ -225,43 +220,16 @@ def validate_data(
 
 
 # --------------------------------------------------------------------------- datasets
-class _MegatronTokenizerAdapter:
-    """What megatron-core datasets read from a tokenizer, for a tokenizer lacking some of it."""
-
-    def __init__(self, tok) -> None:
-        self._tok = tok
-        self.vocab_size = int(tok.vocab_size)
-        self.eod = int(getattr(tok, "eod", getattr(tok, "eos", self.vocab_size - 1)))
-        self.eos = self.eod
-        self.pad = int(getattr(tok, "pad", -1))
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(
-            [("class", f"{type(self._tok).__module__}.{type(self._tok).__qualname__}"),
-             ("model_path", str(getattr(self._tok, "model_path", None))),
-             ("vocab_size", self.vocab_size), ("eod", self.eod), ("pad", self.pad)]
-        )
-
-    def tokenize(self, text):
-        return self._tok.tokenize(text)
-
-    def detokenize(self, ids):
-        return self._tok.detokenize(ids)
-
-
 def as_megatron_tokenizer(tokenizer=None, vocab_size: int | None = None):
-    """Our ``Tokenizer``/``NullTokenizer`` pass through (they carry ``vocab_size``, ``eod``,
-    ``pad`` and ``unique_identifiers``); None becomes ``NullTokenizer(vocab_size)``."""
-    from megatron_md.training.tokenizer import NullTokenizer
+    """A megatron-core tokenizer (``build_tokenizer``) passes through; None becomes megatron-core's
+    NullTokenizer of ``vocab_size`` (mock data needs no tokenizer file)."""
+    from megatron_md.training.tokenizer import build_tokenizer
 
     if tokenizer is None:
         if vocab_size is None:
             raise ValueError("no tokenizer: pass --tokenizer-model, or --vocab-size for mock data")
-        return NullTokenizer(vocab_size)
-    if all(hasattr(tokenizer, a) for a in ("vocab_size", "eod", "unique_identifiers")):
-        return tokenizer
-    return _MegatronTokenizerAdapter(tokenizer)
+        return build_tokenizer("NullTokenizer", vocab_size=vocab_size)
+    return tokenizer
 
 
 def _default_cache_dir(prefixes: Sequence[str]) -> str:
@@ -293,8 +261,9 @@ def build_gpt_datasets(
 ):
     """Build (train, valid, test) with megatron-core; a split with weight 0 comes back None.
 
-    ``tokenizer``: our ``Tokenizer`` / ``NullTokenizer`` / anything with ``vocab_size`` and
-    ``eod``; None means ``NullTokenizer(vocab_size)`` (mock data needs no tokenizer file).
+    ``tokenizer``: a megatron-core tokenizer (``tokenizer.build_tokenizer``) or anything with
+    ``vocab_size``, ``eod``, ``pad`` and ``unique_identifiers``; None means megatron-core's
+    NullTokenizer of ``vocab_size`` (mock data needs no tokenizer file).
     ``path_to_cache`` None: a per-data fingerprinted directory next to the first prefix (see
     ``_default_cache_dir``); mock data is not cached.  When torch.distributed is initialized,
     megatron-core builds on rank 0 first (barriers inside), so call this on every rank.

@@ -54,10 +54,9 @@ _TOKENIZER = None
 _APPEND_EOD = False
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None,
-                 append_eod: bool) -> None:
+def _init_worker(tokenizer_args: dict, append_eod: bool) -> None:
     global _TOKENIZER, _APPEND_EOD
-    _TOKENIZER = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+    _TOKENIZER = build_tokenizer(**tokenizer_args)
     _APPEND_EOD = append_eod
 
 
@@ -101,9 +100,11 @@ def preprocess(
     input: str | os.PathLike,
     output_prefix: str | os.PathLike,
     *,
-    tokenizer_type: str = "SentencePieceTokenizer",
+    tokenizer_type: str | None = None,
     tokenizer_model: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    vocab_file: str | os.PathLike | None = None,
+    merge_file: str | os.PathLike | None = None,
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = False,
     workers: int = 1,
@@ -112,7 +113,10 @@ def preprocess(
     log: Callable[[str], None] | None = print,
     log_interval: float = 5.0,
 ) -> PreprocessStats:
-    """Tokenize ``input`` and write ``{output_prefix}_{key}_document.bin/.idx`` per json key."""
+    """Tokenize ``input`` and write ``{output_prefix}_{key}_document.bin/.idx`` per json key.
+
+    The tokenizer: ``tokenizer.build_tokenizer`` of the ``tokenizer_*`` / ``vocab_*`` / ``merge_file``
+    arguments (``tokenizer_type`` None: detected from the files)."""
     input = str(input)
     if not Path(input).is_file():
         raise FileNotFoundError(f"--input {input}: no such file")
@@ -121,8 +125,12 @@ def preprocess(
         raise ValueError("--json-keys: give at least one key")
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    tokenizer_model = str(tokenizer_model) if tokenizer_model is not None else None
-    tok = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)  # fail early, in this process
+    tokenizer_args = dict(
+        tokenizer_type=tokenizer_type, vocab_size=vocab_size,
+        **{k: (str(v) if v is not None else None) for k, v in
+           dict(tokenizer_model=tokenizer_model, vocab_file=vocab_file, merge_file=merge_file).items()},
+    )
+    tok = build_tokenizer(**tokenizer_args)  # fail early, in this process
     if append_eod and (tok.eod is None or tok.eod < 0):
         raise ValueError("--append-eod: the tokenizer defines no end-of-document id")
 
@@ -150,11 +158,11 @@ def preprocess(
         if workers > 1:
             pool = get_context("spawn").Pool(
                 workers, initializer=_init_worker,
-                initargs=(tokenizer_type, tokenizer_model, vocab_size, append_eod),
+                initargs=(tokenizer_args, append_eod),
             )
             encoded_chunks = pool.imap(_encode_chunk, chunks)  # ordered: output is deterministic
         else:
-            _init_worker(tokenizer_type, tokenizer_model, vocab_size, append_eod)
+            _init_worker(tokenizer_args, append_eod)
             encoded_chunks = map(_encode_chunk, chunks)
         n_records = 0
         for chunk in encoded_chunks:

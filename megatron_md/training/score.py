@@ -33,9 +33,9 @@ def load_for_inference(load_dir: str, device: str = "cpu", verify: bool = True):
     p.use_distributed_optimizer = False
     cfg.training.device = device
     cfg.training.nproc_per_node = 1
-    tok_path = path / "tokenizer.model"
-    if tok_path.exists():
-        cfg.data.tokenizer_model = str(tok_path)
+    from megatron_md.training.tokenizer import use_checkpoint_tokenizer
+
+    use_checkpoint_tokenizer(cfg.data, path)  # the tokenizer files saved with the checkpoint
     cfg.checkpoint.save = cfg.checkpoint.load = cfg.checkpoint.pretrained_checkpoint = None
     cfg.checkpoint.save_interval = None  # a run saved with --save-interval: without --save it is refused
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):

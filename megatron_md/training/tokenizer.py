@@ -1,11 +1,16 @@
-"""SentencePiece tokenizer: training (``train_sentencepiece``) and a small wrapper (``Tokenizer``).
+"""Tokenizers: SentencePiece training (``train_sentencepiece``), corpus reading, and every
+``--tokenizer-type`` built by megatron-core's ``MegatronTokenizer`` (``build_tokenizer``).
 
-The wrapper exposes what megatron-core's datasets read from a tokenizer (``vocab_size``, ``eod``,
-``eos``, ``pad``, ``bos``, ``unique_identifiers``), so an instance can be passed directly as
-``GPTDatasetConfig.tokenizer``.
+Kinds: ``SentencePieceTokenizer`` (a ``.model``), ``HuggingFaceTokenizer`` (a ``tokenizer.json`` or
+a local Hugging Face tokenizer directory), ``GPT2BPETokenizer`` (``--vocab-file`` vocab.json +
+``--merge-file`` merges.txt) and ``NullTokenizer`` (mock data). With ``--tokenizer-type`` unset the
+kind follows from the files (``resolve_tokenizer_type``). The objects carry what megatron-core's
+datasets read (``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``), so one can be passed
+directly as ``GPTDatasetConfig.tokenizer``; ``save_tokenizer_files`` / ``use_checkpoint_tokenizer``
+keep a run's tokenizer files with its checkpoints.
 
-Special ids are fixed by ``train_sentencepiece``: ``<unk>``=0, ``<s>``=1, ``</s>``=2 (the
-end-of-document token appended by ``tools/preprocess_data.py --append-eod``), ``<pad>``=3,
+SentencePiece special ids are fixed by ``train_sentencepiece``: ``<unk>``=0, ``<s>``=1, ``</s>``=2
+(the end-of-document token appended by ``tools/preprocess_data.py --append-eod``), ``<pad>``=3,
 then the 256 byte-fallback pieces.  Training uses the identity normalization, keeps every
 space and adds no dummy prefix, so ``detokenize(tokenize(text)) == text`` for any text
 (characters outside the vocabulary fall back to their UTF-8 bytes; newlines become ``<0x0A>``).
@@ -20,7 +25,6 @@ import lzma
 import gzip
 import os
 import random
-from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -171,141 +175,220 @@ def train_sentencepiece(
 
 
 # --------------------------------------------------------------------------- tokenizers
+# Every kind is built by megatron-core (``megatron.core.tokenizers.MegatronTokenizer``); the
+# objects carry what its GPT datasets read (``vocab_size``, ``eod``, ``pad``,
+# ``unique_identifiers``) and ``tokenize``/``detokenize``.
 def _file_md5(path: str | os.PathLike) -> str:
     return hashlib.md5(Path(path).read_bytes(), usedforsecurity=False).hexdigest()
 
 
-class Tokenizer:
-    """A SentencePiece model with the attributes megatron-core datasets expect."""
-
-    def __init__(self, model_path: str | os.PathLike) -> None:
-        import sentencepiece as spm
-
-        path = Path(model_path)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"--tokenizer-model {model_path}: no such file (train one with tools/train_tokenizer.py)"
-            )
-        self.model_path = str(path)
-        self._sp = spm.SentencePieceProcessor(model_file=str(path))
-        self._md5 = _file_md5(path)
-
-    # ids
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    @property
-    def eod(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def eos(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def bos(self) -> int:
-        return self._sp.bos_id()
-
-    @property
-    def pad(self) -> int:
-        return self._sp.pad_id()
-
-    @property
-    def unk(self) -> int:
-        return self._sp.unk_id()
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        """Keys megatron-core hashes into its dataset-index cache names."""
-        return OrderedDict(
-            [("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-             ("tokenizer_path", self.model_path), ("md5", self._md5),
-             ("vocab_size", self.vocab_size)]
-        )
-
-    # text <-> ids
-    def tokenize(self, text: str) -> list[int]:
-        return self._sp.encode(text, out_type=int)
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._sp.encode(texts, out_type=int)
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
-
-    def id_to_piece(self, i: int) -> str:
-        return self._sp.id_to_piece(int(i))
-
-    def __repr__(self) -> str:
-        return f"Tokenizer({self.model_path!r}, vocab_size={self.vocab_size})"
+SENTENCEPIECE, HUGGINGFACE, GPT2BPE, NULL = (
+    "SentencePieceTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = (SENTENCEPIECE, HUGGINGFACE, GPT2BPE, NULL)
+# Megatron-LM's GPT2BPETokenizer ends documents with this token.
+GPT2_EOD = "<|endoftext|>"
+# A tokenizer.json alone names no eos token; these are the end-of-text tokens of common families.
+_EOD_CANDIDATES = (GPT2_EOD, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+# Files of a Hugging Face tokenizer directory (a model directory also holds weights: never copied).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                      "chat_template.jinja", "chat_template.json")
+CKPT_SP_FILE, CKPT_TOKENIZER_DIR = "tokenizer.model", "tokenizer"
 
 
-class NullTokenizer:
-    """Mock-data tokenizer: text is space-separated ids; eod is ``vocab_size - 1``, no pad."""
-
-    def __init__(self, vocab_size: int, eod_id: int | None = None) -> None:
-        if vocab_size is None or int(vocab_size) < 2:
-            raise ValueError(f"NullTokenizer needs --vocab-size >= 2, got {vocab_size}")
-        self._vocab_size = int(vocab_size)
-        self._eod = int(eod_id) if eod_id is not None else self._vocab_size - 1
-        self.model_path = None
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
-
-    @property
-    def bos(self) -> int:
-        return -1
-
-    @property
-    def pad(self) -> int:
-        return -1
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(
-            [("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-             ("vocab_size", self._vocab_size), ("eod_id", self._eod)]
-        )
-
-    def tokenize(self, text: str) -> list[int]:
-        return [int(x) for x in text.split()]
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.tokenize(t) for t in texts]
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return " ".join(str(int(i)) for i in ids)
-
-    def __repr__(self) -> str:
-        return f"NullTokenizer(vocab_size={self._vocab_size})"
+def resolve_tokenizer_type(tokenizer_type: str | None, tokenizer_model=None, vocab_file=None,
+                           merge_file=None) -> str | None:
+    """``--tokenizer-type``, or the kind the files imply when it is unset: ``--vocab-file`` /
+    ``--merge-file`` are GPT-2 BPE, a directory or a ``.json`` file is Hugging Face, any other
+    file SentencePiece; None: no tokenizer at all."""
+    if tokenizer_type:
+        return tokenizer_type
+    if vocab_file or merge_file:
+        return GPT2BPE
+    if not tokenizer_model:
+        return None
+    p = Path(tokenizer_model)
+    return HUGGINGFACE if p.is_dir() or p.suffix == ".json" else SENTENCEPIECE
 
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "NullTokenizer")
+def _looks_like_sentencepiece(path: Path) -> bool:
+    """A SentencePiece model is a protobuf: never JSON text (a tokenizer.json starts with '{')."""
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    return not head.startswith(b"{")
 
 
-def build_tokenizer(
-    tokenizer_type: str = "SentencePieceTokenizer",
-    tokenizer_model: str | os.PathLike | None = None,
-    vocab_size: int | None = None,
-) -> Tokenizer | NullTokenizer:
-    """``--tokenizer-type`` / ``--tokenizer-model`` / ``--vocab-size`` to a tokenizer."""
-    if tokenizer_type == "SentencePieceTokenizer":
-        if not tokenizer_model:
-            raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model FILE.model")
-        return Tokenizer(tokenizer_model)
-    if tokenizer_type == "NullTokenizer":
-        if vocab_size is None:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return NullTokenizer(vocab_size)
-    raise ValueError(f"--tokenizer-type must be one of {TOKENIZER_TYPES}, got {tokenizer_type!r}")
+def tokenizer_errors(tokenizer_type: str | None, tokenizer_model=None, vocab_file=None,
+                     merge_file=None, vocab_size: int | None = None) -> list[str]:
+    """What is wrong with these tokenizer flags (each message names the flag and the fix)."""
+    kind = resolve_tokenizer_type(tokenizer_type, tokenizer_model, vocab_file, merge_file)
+    errs: list[str] = []
+    if kind not in TOKENIZER_TYPES + (None,):
+        return [f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, got {kind!r}"]
+    model = Path(tokenizer_model) if tokenizer_model else None
+    if model is not None and not model.exists():
+        errs.append(f"--tokenizer-model {tokenizer_model}: no such file or directory (a SentencePiece .model "
+                    "from tools/train_tokenizer.py, a Hugging Face tokenizer.json or tokenizer directory)")
+        return errs
+    if kind in (SENTENCEPIECE, HUGGINGFACE) and (vocab_file or merge_file):
+        errs.append(f"--vocab-file/--merge-file are GPT-2 BPE files: use --tokenizer-type {GPT2BPE} "
+                    "(and drop --tokenizer-model)")
+    if kind == SENTENCEPIECE:
+        if model is None:
+            errs.append(f"--tokenizer-type {SENTENCEPIECE} needs --tokenizer-model FILE.model "
+                        "(train one with tools/train_tokenizer.py)")
+        elif model.is_dir() or not _looks_like_sentencepiece(model):
+            errs.append(f"--tokenizer-model {tokenizer_model} is a Hugging Face tokenizer, not a SentencePiece "
+                        f".model: pass --tokenizer-type {HUGGINGFACE} (or leave --tokenizer-type unset to detect it)")
+    elif kind == HUGGINGFACE:
+        if model is None:
+            errs.append(f"--tokenizer-type {HUGGINGFACE} needs --tokenizer-model: a tokenizer.json file or a "
+                        "local Hugging Face tokenizer directory")
+        elif model.is_dir():
+            if not any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                errs.append(f"--tokenizer-model {tokenizer_model}: the directory holds no tokenizer.json or "
+                            "tokenizer_config.json; point it at a Hugging Face tokenizer directory")
+        elif _looks_like_sentencepiece(model):
+            errs.append(f"--tokenizer-model {tokenizer_model} is not a Hugging Face tokenizer.json (a SentencePiece "
+                        f"model?): pass --tokenizer-type {SENTENCEPIECE}, or a tokenizer.json / HF directory")
+    elif kind == GPT2BPE:
+        for flag, value, name in (("--vocab-file", vocab_file, "vocab.json"), ("--merge-file", merge_file, "merges.txt")):
+            if not value:
+                errs.append(f"--tokenizer-type {GPT2BPE} needs {flag} (the GPT-2 {name})")
+            elif not Path(value).is_file():
+                errs.append(f"{flag} {value}: no such file")
+        if model is not None:
+            errs.append(f"--tokenizer-type {GPT2BPE} reads --vocab-file and --merge-file, not --tokenizer-model "
+                        f"{tokenizer_model}; drop --tokenizer-model")
+    elif kind == NULL and (vocab_size is None or int(vocab_size) < 2):
+        errs.append(f"--tokenizer-type {NULL} needs --vocab-size >= 2, got {vocab_size}")
+    return errs
+
+
+def _hf_with_eod(tok, where: str):
+    """A Hugging Face tokenizer needs an end-of-document id (``--append-eod``, generation stops):
+    a bare tokenizer.json names no eos token, so take a well-known end-of-text token it has."""
+    if tok.eod is not None:
+        return tok
+    vocab = set(tok.inv_vocab.values())
+    for cand in _EOD_CANDIDATES:
+        if cand in vocab:
+            tok.add_special_tokens({"eos_token": cand})  # known token: the vocabulary does not grow
+            return tok
+    raise ValueError(f"--tokenizer-model {where}: the Hugging Face tokenizer defines no eos_token and none of "
+                     f"{', '.join(_EOD_CANDIDATES)}; set eos_token in its tokenizer_config.json")
+
+
+def _gpt2_bpe(vocab_file, merge_file):
+    """Megatron-LM's GPT2BPETokenizer (vocab.json + merges.txt) through megatron-core's Hugging Face
+    library: megatron-core's own ``megatron`` library fetches the gpt2 config from the Hub, so the two
+    files are staged with a tokenizer_config.json naming transformers' GPT2Tokenizer instead."""
+    import shutil
+    import tempfile
+
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="gpt2bpe-") as d:
+        shutil.copyfile(vocab_file, os.path.join(d, "vocab.json"))
+        shutil.copyfile(merge_file, os.path.join(d, "merges.txt"))
+        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+        special = {k: GPT2_EOD for k in ("bos_token", "eos_token", "unk_token")} if GPT2_EOD in vocab else {}
+        Path(d, "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, **special}))
+        tok = MegatronTokenizer.from_pretrained(d, metadata_path={"library": "huggingface", "model_type": "gpt"})
+    tok.path = str(vocab_file)  # keys the dataset-index cache: the user's file, not the temporary copy
+    return _hf_with_eod(tok, vocab_file)
+
+
+def build_tokenizer(tokenizer_type: str | None = SENTENCEPIECE, tokenizer_model=None,
+                    vocab_size: int | None = None, vocab_file=None, merge_file=None):
+    """The megatron-core tokenizer for ``--tokenizer-type/--tokenizer-model/--vocab-file/--merge-file``
+    (``--vocab-size`` for NullTokenizer); ValueError naming the flag on bad input."""
+    errs = tokenizer_errors(tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size)
+    if errs:  # a missing file stays FileNotFoundError, as callers (and the tools' exit code 2) expect
+        raise (FileNotFoundError if all("no such file" in e for e in errs) else ValueError)("; ".join(errs))
+    kind = resolve_tokenizer_type(tokenizer_type, tokenizer_model, vocab_file, merge_file)
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    if kind == SENTENCEPIECE:
+        return MegatronTokenizer.from_pretrained(
+            str(tokenizer_model), metadata_path={"library": "sentencepiece", "model_type": "gpt"})
+    if kind == HUGGINGFACE:
+        tok = MegatronTokenizer.from_pretrained(
+            str(tokenizer_model), metadata_path={"library": "huggingface", "model_type": "gpt"})
+        return _hf_with_eod(tok, tokenizer_model)
+    if kind == GPT2BPE:
+        return _gpt2_bpe(vocab_file, merge_file)
+    if kind == NULL:
+        return MegatronTokenizer.from_pretrained(
+            metadata_path={"library": "null-text", "model_type": "gpt"}, vocab_size=int(vocab_size))
+    raise ValueError(f"no tokenizer: pass --tokenizer-model (or --vocab-file/--merge-file), got type {kind!r}")
+
+
+def data_tokenizer_kind(d) -> str | None:
+    """The tokenizer kind a DataConfig trains with; None: none (mock data, NullTokenizer, no files)."""
+    kind = resolve_tokenizer_type(d.tokenizer_type, d.tokenizer_model, getattr(d, "vocab_file", None),
+                                  getattr(d, "merge_file", None))
+    return None if getattr(d, "mock_data", False) or kind in (None, NULL) else kind
+
+
+def tokenizer_for_data(d):
+    """The megatron-core tokenizer of a DataConfig, or None (see ``data_tokenizer_kind``)."""
+    kind = data_tokenizer_kind(d)
+    if kind is None:
+        return None
+    return build_tokenizer(kind, d.tokenizer_model, vocab_file=getattr(d, "vocab_file", None),
+                           merge_file=getattr(d, "merge_file", None))
+
+
+# --------------------------------------------------------------------------- with a checkpoint
+def save_tokenizer_files(d, dest: str | os.PathLike) -> list[str]:
+    """Copy the run's tokenizer files into a checkpoint directory so score/generate/export need
+    nothing else: SentencePiece as ``tokenizer.model`` (as before), Hugging Face / GPT-2 BPE files
+    under ``tokenizer/``. ``d``: a DataConfig or its dict. Returns the written names."""
+    import shutil
+    from types import SimpleNamespace
+
+    if isinstance(d, dict):
+        d = SimpleNamespace(**d)
+    kind, dest = data_tokenizer_kind(d), Path(dest)
+    if kind == SENTENCEPIECE:
+        shutil.copy2(d.tokenizer_model, dest / CKPT_SP_FILE)
+        return [CKPT_SP_FILE]
+    if kind is None:
+        return []
+    out = dest / CKPT_TOKENIZER_DIR
+    out.mkdir(exist_ok=True)
+    if kind == GPT2BPE:
+        pairs = [(d.vocab_file, "vocab.json"), (d.merge_file, "merges.txt")]
+    elif Path(d.tokenizer_model).is_dir():
+        src = Path(d.tokenizer_model)
+        pairs = [(src / n, n) for n in HF_TOKENIZER_FILES if (src / n).is_file()]
+    else:
+        pairs = [(d.tokenizer_model, "tokenizer.json")]
+    for src, name in pairs:
+        shutil.copy2(src, out / name)
+    return [f"{CKPT_TOKENIZER_DIR}/{name}" for _, name in pairs]
+
+
+def checkpoint_tokenizer_paths(kind: str | None, ckpt_dir: str | os.PathLike) -> dict:
+    """Where ``save_tokenizer_files`` puts a ``kind`` tokenizer in ``ckpt_dir``, as DataConfig fields."""
+    ckpt_dir = Path(ckpt_dir)
+    saved = ckpt_dir / CKPT_TOKENIZER_DIR
+    if kind == SENTENCEPIECE:
+        return {"tokenizer_model": str(ckpt_dir / CKPT_SP_FILE)}
+    if kind == GPT2BPE:
+        return {"vocab_file": str(saved / "vocab.json"), "merge_file": str(saved / "merges.txt")}
+    if kind == HUGGINGFACE:
+        return {"tokenizer_model": str(saved)}
+    return {}
+
+
+def use_checkpoint_tokenizer(d, ckpt_dir: str | os.PathLike) -> bool:
+    """Point DataConfig ``d`` at the tokenizer files saved in ``ckpt_dir`` (True if there are any)."""
+    paths = checkpoint_tokenizer_paths(data_tokenizer_kind(d), ckpt_dir)
+    if not paths or not all(Path(v).exists() for v in paths.values()):
+        return False
+    for k, v in paths.items():
+        setattr(d, k, v)
+    return True

@@ -146,11 +146,17 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     d = cfg.data
     if not d.mock_data:
         need(bool(d.data_path), "no data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
-        if d.tokenizer_type == "SentencePieceTokenizer":
-            need(
-                d.tokenizer_model is not None,
-                "--tokenizer-model is required with --data-path (the .model from tools/train_tokenizer.py)",
-            )
+        need(
+            d.tokenizer_type == "NullTokenizer" or bool(d.tokenizer_model or d.vocab_file or d.merge_file),
+            "--tokenizer-model is required with --data-path (a SentencePiece .model from "
+            "tools/train_tokenizer.py, a Hugging Face tokenizer.json or directory; or GPT-2 BPE "
+            "--vocab-file and --merge-file)",
+        )
+    if not d.mock_data and d.tokenizer_type != "NullTokenizer":
+        from megatron_md.training.tokenizer import tokenizer_errors
+
+        for e in tokenizer_errors(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file):
+            need(False, e)
 
     c = cfg.checkpoint
     same_dir = bool(c.load and c.save) and Path(c.load).resolve() == Path(c.save).resolve()

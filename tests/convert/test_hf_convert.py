@@ -84,9 +84,9 @@ def test_dense_export_logits_and_tokenizer(runs):
     assert len(set(index["weight_map"].values())) > 1  # sharded
     from transformers import AutoTokenizer
 
-    from megatron_md.training.tokenizer import Tokenizer
+    from megatron_md.training.tokenizer import build_tokenizer
 
-    ours, hf = Tokenizer(runs.tok), AutoTokenizer.from_pretrained(str(out))
+    ours, hf = build_tokenizer("SentencePieceTokenizer", runs.tok), AutoTokenizer.from_pretrained(str(out))
     for text in ("Hello, world!  The for statement\n\tx = [1, 22, 333]", "Grüße, 東京 🚀 <s>"):
         assert hf.encode(text) == ours.tokenize(text)
         assert hf.decode(hf.encode(text)) == text

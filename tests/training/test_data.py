@@ -25,14 +25,15 @@ from megatron_md.training.data import (  # noqa: E402
 def data(tmp_path_factory):
     """Two preprocessed tiny corpora (60 and 40 documents, eod appended) and their tokenizer."""
     from megatron_md.training.preprocess import preprocess
-    from megatron_md.training.tokenizer import Tokenizer, train_sentencepiece
+    from megatron_md.training.tokenizer import build_tokenizer, train_sentencepiece
 
     d = tmp_path_factory.mktemp("data")
     docs_a, docs_b = make_docs(60, seed=1), make_docs(40, seed=2)
     model = train_sentencepiece(write_jsonl(d / "a.jsonl", docs_a), d / "sp", 400, num_threads=1)
     preprocess(d / "a.jsonl", d / "a", tokenizer_model=model, append_eod=True, log=None)
     preprocess(write_jsonl(d / "b.jsonl", docs_b), d / "b", tokenizer_model=model, append_eod=True, log=None)
-    return d, str(d / "a_text_document"), str(d / "b_text_document"), Tokenizer(model), docs_a
+    tok = build_tokenizer("SentencePieceTokenizer", model)
+    return d, str(d / "a_text_document"), str(d / "b_text_document"), tok, docs_a
 
 
 # ----------------------------------------------------------------------------- --data-path
@@ -60,21 +61,21 @@ def test_split_ranges_match_megatron():
 # ----------------------------------------------------------------------------- validate_data
 def test_validate_ok_and_mock(data):
     _, a, b, tok, _ = data
-    validate_data([a], "90,10,0", 32, tok.model_path, False)
-    validate_data(f"0.3 {a} 0.7 {b}", "90,10,0", 32, tok.model_path, False)
+    validate_data([a], "90,10,0", 32, tok.path, False)
+    validate_data(f"0.3 {a} 0.7 {b}", "90,10,0", 32, tok.path, False)
     validate_data(None, "949,50,1", 32, None, True)  # mock data needs nothing on disk
 
 
 def test_validate_missing_prefix_names_data_path(data, tmp_path):
     _, a, _, tok, _ = data
     with pytest.raises(ValueError, match=r"--data-path .*nope.*preprocess_data\.py"):
-        validate_data([str(tmp_path / "nope")], "90,10,0", 32, tok.model_path, False)
+        validate_data([str(tmp_path / "nope")], "90,10,0", 32, tok.path, False)
     with pytest.raises(ValueError, match="without .bin"):
-        validate_data([a + ".bin"], "90,10,0", 32, tok.model_path, False)
+        validate_data([a + ".bin"], "90,10,0", 32, tok.path, False)
     with pytest.raises(ValueError, match="_text_document"):
-        validate_data([a[: -len("_text_document")]], "90,10,0", 32, tok.model_path, False)
+        validate_data([a[: -len("_text_document")]], "90,10,0", 32, tok.path, False)
     with pytest.raises(ValueError, match="--data-path"):
-        validate_data(None, "90,10,0", 32, tok.model_path, False)
+        validate_data(None, "90,10,0", 32, tok.path, False)
 
 
 def test_validate_missing_tokenizer_and_bad_split(data, tmp_path):
@@ -83,7 +84,7 @@ def test_validate_missing_tokenizer_and_bad_split(data, tmp_path):
         validate_data([a], "90,10,0", 32, str(tmp_path / "nope.model"), False)
     for bad in ("90,10", "a,b,c", "90,-10,0", "0,10,0", "90 10 0", "1,2,3,4"):
         with pytest.raises(ValueError, match="--split"):
-            validate_data([a], bad, 32, tok.model_path, False)
+            validate_data([a], bad, 32, tok.path, False)
 
 
 def test_validate_catches_empty_split(data, tmp_path):
@@ -92,10 +93,10 @@ def test_validate_catches_empty_split(data, tmp_path):
 
     _, _, _, tok, _ = data
     preprocess(write_jsonl(tmp_path / "s.jsonl", make_docs(10)), tmp_path / "s",
-               tokenizer_model=tok.model_path, append_eod=True, log=None)
+               tokenizer_model=tok.path, append_eod=True, log=None)
     small = str(tmp_path / "s_text_document")
     with pytest.raises(ValueError, match=r"test split of --split 949,50,1 has 0 documents.*90,10,0"):
-        validate_data([small], "949,50,1", 16, tok.model_path, False)
+        validate_data([small], "949,50,1", 16, tok.path, False)
     # and build_gpt_datasets refuses it too, instead of looping in GPTDataset._get_num_epochs
     t0 = time.time()
     with pytest.raises(ValueError, match="--split 949,50,1"):
@@ -103,9 +104,9 @@ def test_validate_catches_empty_split(data, tmp_path):
     assert time.time() - t0 < 30
     # a validation split holding fewer tokens than one sample of --seq-length
     with pytest.raises(ValueError, match=r"validation split of --split 90,10,0 .*--seq-length 200"):
-        validate_data([small], "90,10,0", 200, tok.model_path, False)
+        validate_data([small], "90,10,0", 200, tok.path, False)
     with pytest.raises(ValueError, match=r"train split of --split 90,10,0 .*--seq-length 4096"):
-        validate_data([small], "90,10,0", 4096, tok.model_path, False)
+        validate_data([small], "90,10,0", 4096, tok.path, False)
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -183,7 +184,7 @@ def test_embedded_corpus():
 def test_prepare_demo_data(tmp_path):
     """The embedded corpus end to end with a small vocabulary (a few seconds)."""
     from megatron_md.training.data import prepare_demo_data
-    from megatron_md.training.tokenizer import Tokenizer
+    from megatron_md.training.tokenizer import build_tokenizer
 
     msgs = []
     t0 = time.time()
@@ -191,7 +192,7 @@ def test_prepare_demo_data(tmp_path):
     assert time.time() - t0 < 60
     assert Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()
     assert prefix == str(tmp_path / "python_docs_text_document")
-    assert Tokenizer(model).vocab_size == 512
+    assert build_tokenizer("SentencePieceTokenizer", model).vocab_size == 512
     validate_data([prefix], "969,30,1", 128, model, False)  # the trainer's default split works
     msgs.clear()
     t0 = time.time()
