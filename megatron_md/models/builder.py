@@ -91,6 +91,80 @@ def moe_grouped_gemm(model_cfg, use_te: bool) -> bool:
     return True
 
 
+def apex_available() -> bool:
+    return importlib.util.find_spec("apex") is not None
+
+
+def fusion_settings(model_cfg, *, cpu: bool, use_te: bool, grouped: bool) -> dict:
+    """TransformerConfig fusion fields from the ``--*-fusion`` flags: unset means on where the kernel
+    exists (CUDA, plus TE / Apex / Megatron's softmax extension where it needs one), off on CPU; asking
+    for one where it cannot run is refused here, before any layer is built."""
+    m = model_cfg
+    glu_bias_gelu = m.swiglu or not m.disable_bias_linear  # megatron fuses plain GeLU only with a bias
+    where = {  # flag -> (kernel exists here, what it needs)
+        "rope_fusion": (not cpu and use_te, "Transformer Engine on CUDA"),
+        "bias_swiglu_fusion": (not cpu, "CUDA"),
+        "bias_gelu_fusion": (not cpu and glu_bias_gelu, "CUDA, and a bias (--no-disable-bias-linear)"),
+        "bias_dropout_fusion": (not cpu and not (grouped and not m.disable_bias_linear), "CUDA"),
+        "masked_softmax_fusion": (not cpu and fused_softmax_available(),
+                                  "CUDA and Megatron's fused softmax extensions (" + ", ".join(FUSED_SOFTMAX_MODULES) + ")"),
+        "gradient_accumulation_fusion": (
+            not cpu and (use_te or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None),
+            "CUDA with Transformer Engine layers or Apex's fused_weight_gradient_mlp_cuda"),
+        "cross_entropy_loss_fusion": (not cpu, "CUDA"),
+        "persist_layer_norm": (not cpu and apex_available(), "CUDA and Apex"),
+    }
+    on = {}
+    for name, (exists, needs) in where.items():
+        asked = getattr(m, name)
+        if asked and not exists:
+            raise ValueError(
+                f"--{name.replace('_', '-')} needs {needs}, which this run lacks; drop the flag (unset, it is on "
+                f"exactly where it can run) or pass --no-{name.replace('_', '-')}"
+            )
+        on[name] = exists if asked is None else asked
+    return dict(
+        apply_rope_fusion=on["rope_fusion"],
+        bias_activation_fusion=on["bias_swiglu_fusion"] if m.swiglu else on["bias_gelu_fusion"],
+        bias_dropout_fusion=on["bias_dropout_fusion"],
+        masked_softmax_fusion=on["masked_softmax_fusion"],
+        gradient_accumulation_fusion=on["gradient_accumulation_fusion"],
+        cross_entropy_loss_fusion=on["cross_entropy_loss_fusion"],
+        persist_layer_norm=on["persist_layer_norm"],
+    )
+
+
+def attention_backend(model_cfg, *, cpu: bool, use_te: bool):
+    """--attention-backend as megatron-core's AttnBackend; flash and fused are TE kernels."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    name = model_cfg.attention_backend
+    if name in ("flash", "fused") and (cpu or not use_te):
+        raise ValueError(
+            f"--attention-backend {name} is a Transformer Engine kernel and needs CUDA with TE layers; "
+            "use --attention-backend local (megatron-core's own attention) or auto"
+        )
+    return AttnBackend[name]
+
+
+def recompute_settings(model_cfg) -> dict:
+    """Megatron-LM's recompute flags as TransformerConfig fields ('selective' recomputes core attention)."""
+    m = model_cfg
+    if m.recompute_granularity is None:
+        if m.recompute_method or m.recompute_num_layers:
+            raise ValueError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+        return {}
+    if m.recompute_granularity == "selective":
+        if m.recompute_method or m.recompute_num_layers:
+            raise ValueError(
+                "--recompute-method / --recompute-num-layers apply to --recompute-granularity full only; "
+                "selective recomputation always recomputes the core attention of every layer"
+            )
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return dict(recompute_granularity="full", recompute_method=m.recompute_method or "uniform",
+                recompute_num_layers=m.recompute_num_layers or 1)
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     multiple = divisible_by * tp
     return int(math.ceil(vocab_size / multiple) * multiple)
@@ -129,16 +203,15 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         autocast_dtype=dtype,
-        # CPU: initialise the full master weight on CPU so the init is TP-size independent,
-        # and keep every fused CUDA kernel off.
+        # CPU: initialise the full master weight on CPU so the init is TP-size independent.
         use_cpu_initialization=cpu,
-        masked_softmax_fusion=not cpu and fused_softmax_available(),
-        bias_dropout_fusion=not cpu and not (grouped and not m.disable_bias_linear),  # TEGroupedMLP asserts
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        cross_entropy_loss_fusion=False,
+        # Megatron-LM's setting: PP stages free their sent activations' data. Its backward goes straight to
+        # the C++ engine (no torch.autograd.backward), so on CPU the runtime's device rewrite stays active for
+        # the forwards that activation recomputation re-runs inside the backward pass.
+        deallocate_pipeline_outputs=True,
+        attention_backend=attention_backend(m, cpu=cpu, use_te=use_te),
+        **fusion_settings(m, cpu=cpu, use_te=use_te, grouped=grouped),
+        **recompute_settings(m),
     )
     if m.num_experts:
         kwargs.update(
@@ -149,6 +222,11 @@ def transformer_config(
             moe_token_dispatcher_type=m.moe_token_dispatcher_type,
             moe_router_load_balancing_type=m.moe_router_load_balancing_type,
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+            moe_z_loss_coeff=m.moe_z_loss_coeff,
+            moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+            moe_token_drop_policy=m.moe_token_drop_policy,
+            moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
+            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
         )
     return TransformerConfig(**kwargs)
 

@@ -76,9 +76,12 @@ def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
         model.cuda(torch.cuda.current_device())
     if cfg.training.bf16:
         model = Float16Module(config, model)
+    p = cfg.parallel
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        bucket_size=ddp_bucket_size(cfg),
         # The distributed optimizers reduce-scatter into buffers laid out for them: byte-sharded for
         # adam, whole-matrix shards for the layer-wise one (below).
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
@@ -92,6 +95,16 @@ def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     return ddp, config
+
+
+def ddp_bucket_size(cfg: RunConfig) -> int | None:
+    """Elements per communication bucket: megatron's rule (one bucket per buffer without overlap; with it
+    max(40M, 1M x DP) unless --ddp-bucket-size), resolved here because the layer-wise layout below packs
+    its shards into buckets of this size before DDP would fill it in."""
+    p = cfg.parallel
+    if not p.overlap_grad_reduce:
+        return None
+    return p.ddp_bucket_size or max(40_000_000, 1_000_000 * ps.get_data_parallel_world_size(with_context_parallel=True))
 
 
 def layer_wise_param_layout(cfg: RunConfig, model, ddp_config):

@@ -147,8 +147,16 @@ def save_checkpoint(
     extra: dict | None = None,
     layer_wise: bool = False,
     fully_reshardable: bool = False,
+    async_save: bool = False,
+    fully_parallel: bool = True,
+    keep_last: int | None = None,
 ) -> Path:
-    """Save atomically; returns the final ``iter_`` directory."""
+    """Save atomically; returns the final ``iter_`` directory.
+
+    ``async_save``: the shards are written by a forked process while training goes on; the checkpoint is
+    published (checksums, rename, latest file, pruning) by ``finalize_saves`` on every rank once all
+    ranks' writes are done. ``keep_last``: then delete all but the newest ``keep_last`` checkpoints.
+    """
     root = Path(root)
     final = iter_dir(root, iteration)
     partial = final.with_name(final.name + ".partial")
@@ -176,31 +184,117 @@ def save_checkpoint(
         has_md="md" in state,
         extra=extra or {},
     )
-    dist_checkpointing.save(state, str(partial))
-    maybe_delay_save(iteration)
-    dist.barrier()
-    if rank == 0:
-        (partial / RUN_CONFIG).write_text(run_config_yaml)
-        import yaml
+    request = dist_checkpointing.save(
+        state, str(partial), sharded_strategy=save_strategy(fully_parallel), async_sharded_save=async_save,
+        async_strategy=async_strategy())
 
-        from megatron_md.training.tokenizer import save_tokenizer_files
+    def publish() -> None:  # on every rank, once every rank's shards are written
+        maybe_delay_save(iteration)
+        dist.barrier()
+        if rank == 0:
+            (partial / RUN_CONFIG).write_text(run_config_yaml)
+            import yaml
 
-        # which tokenizer files to keep: the run config's data section (SentencePiece, HF, GPT-2 BPE)
-        data = (yaml.safe_load(run_config_yaml) or {}).get("data") or {}
-        if data:
-            save_tokenizer_files(data, partial)
-        elif tokenizer_model:
-            shutil.copy2(tokenizer_model, partial / "tokenizer.model")
-    write_manifest(partial)  # collective: every rank hashes a share of the files, rank 0 writes checksums.json
-    if rank == 0:
-        if final.exists():  # keep, never overwrite, what was there
-            final.rename(final.with_name(f"{final.name}.old-{int(time.time())}"))
-        partial.rename(final)
-        tmp = root / (LATEST + ".tmp")
-        tmp.write_text(f"{iteration}\n")
-        os.replace(tmp, root / LATEST)
-    dist.barrier()
+            from megatron_md.training.tokenizer import save_tokenizer_files
+
+            # which tokenizer files to keep: the run config's data section (SentencePiece, HF, GPT-2 BPE)
+            data = (yaml.safe_load(run_config_yaml) or {}).get("data") or {}
+            if data:
+                save_tokenizer_files(data, partial)
+            elif tokenizer_model:
+                shutil.copy2(tokenizer_model, partial / "tokenizer.model")
+        write_manifest(partial)  # collective: every rank hashes a share of the files, rank 0 writes checksums.json
+        if rank == 0:
+            if final.exists():  # keep, never overwrite, what was there
+                final.rename(final.with_name(f"{final.name}.old-{int(time.time())}"))
+            partial.rename(final)
+            tmp = root / (LATEST + ".tmp")
+            tmp.write_text(f"{iteration}\n")
+            os.replace(tmp, root / LATEST)
+            if keep_last:
+                prune_checkpoints(root, keep_last)
+        dist.barrier()
+
+    if request is None:
+        publish()
+    else:  # megatron's queue runs publish() after the background write, in finalize_saves()
+        request.add_finalize_fn(publish)
+        async_queue().schedule_async_request(request)
     return final
+
+
+_ASYNC_QUEUE = None
+
+
+def async_queue():
+    """megatron's queue of background checkpoint writes (a fork per save; CPU tensors are then the
+    fork's copy-on-write snapshot, so training may update the weights while the child writes)."""
+    global _ASYNC_QUEUE
+    if _ASYNC_QUEUE is None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        _ASYNC_QUEUE = AsyncCallsQueue()
+    return _ASYNC_QUEUE
+
+
+def finalize_saves(blocking: bool = False) -> int:
+    """Publish the background saves that have finished (all of them, waiting, when ``blocking``); returns
+    how many. A collective: call it on every rank, at the same points."""
+    if _ASYNC_QUEUE is None or not _ASYNC_QUEUE.get_num_unfinalized_calls():
+        return 0
+    return len(_ASYNC_QUEUE.maybe_finalize_async_calls(blocking=blocking))
+
+
+def async_strategy() -> str:
+    """NVIDIA Resiliency Extension's writer when installed (megatron's default), else megatron-core's own."""
+    from megatron.core.dist_checkpointing.strategies.nvrx import has_nvrx_async_support
+
+    return "nvrx" if has_nvrx_async_support() else "mcore"
+
+
+def pending_saves() -> int:
+    return _ASYNC_QUEUE.get_num_unfinalized_calls() if _ASYNC_QUEUE is not None else 0
+
+
+def save_strategy(fully_parallel: bool):
+    """torch_dist; fully parallel spreads the writing of replicated tensors over the data-parallel ranks."""
+    if not fully_parallel or ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
+        return None  # megatron's default strategy
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(), ps.get_data_parallel_group(with_context_parallel=True))
+
+
+def load_strategy(path: Path, fully_parallel: bool):
+    if not fully_parallel or ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
+        return None
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(
+        get_default_load_sharded_strategy(str(path)), ps.get_data_parallel_group(with_context_parallel=True))
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete published ``iter_`` checkpoints older than the newest ``keep_last`` (rank 0, after a publish).
+
+    Only complete checkpoints are candidates (``.partial`` and ``.old-*`` directories are never touched),
+    and never the one ``latest_checkpointed_iteration.txt`` names, whatever ``keep_last`` says.
+    """
+    root = Path(root)
+    latest = latest_iteration(root)
+    found = []
+    for d in root.glob("iter_*"):
+        suffix = d.name[len("iter_"):]
+        if d.is_dir() and suffix.isdigit():
+            found.append((int(suffix), d))
+    found.sort()
+    doomed = [d for it, d in found[:-keep_last] if it != latest] if keep_last >= 1 else []
+    for d in doomed:
+        shutil.rmtree(d)
+    return doomed
 
 
 def load_checkpoint(
@@ -214,6 +308,7 @@ def load_checkpoint(
     iteration: int | None = None,
     layer_wise: bool = False,
     verify: bool = True,
+    fully_parallel: bool = False,
 ) -> dict:
     """Load model (and optimizer, scheduler, RNG) in place; returns the common state.
 
@@ -244,7 +339,7 @@ def load_checkpoint(
             f"--load {root}: the checkpoint has no MD gain state (saved with another optimizer); "
             "use --pretrained-checkpoint to start MD from its weights, or --no-load-optim"
         )
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = dist_checkpointing.load(state, str(path), sharded_strategy=load_strategy(path, fully_parallel))
     unwrap(model).load_state_dict(loaded["model"])
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])

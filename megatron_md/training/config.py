@@ -61,6 +61,44 @@ class ModelConfig:
         "aux_loss", "Router balancing.", ["aux_loss", "seq_aux_loss", "sinkhorn", "none"]
     )
     moe_aux_loss_coeff: float = opt(1e-2, "Weight of the load-balancing loss.")
+    moe_z_loss_coeff: Optional[float] = opt(None, "Weight of the router z-loss (unset: none; 1e-3 is a common start).")
+    moe_expert_capacity_factor: Optional[float] = opt(
+        None, "Expert capacity as a multiple of the even share of tokens; tokens beyond it are dropped (unset: "
+        "no capacity, no dropping).")
+    moe_token_drop_policy: str = opt(
+        "probs", "With a capacity factor, which tokens an over-full expert drops: the lowest router "
+        "probabilities, or the last positions.", ["probs", "position"])
+    moe_pad_expert_input_to_capacity: bool = opt(
+        False, "With a capacity factor, pad every expert's input to its capacity (fixed shapes).")
+    moe_shared_expert_intermediate_size: Optional[int] = opt(
+        None, "Width of the shared expert every token goes through beside the routed ones (unset: none).")
+    recompute_granularity: Optional[str] = opt(
+        None, "Activation recomputation: 'selective' recomputes the core attention (the s^2 term) in the "
+        "backward pass; 'full' keeps only each layer's input (with --recompute-method). Unset: none.",
+        ["full", "selective"])
+    recompute_method: Optional[str] = opt(
+        None, "Full recomputation: 'uniform' checkpoints groups of --recompute-num-layers layers; 'block' "
+        "recomputes the first --recompute-num-layers layers of each pipeline stage (default uniform).",
+        ["uniform", "block"])
+    recompute_num_layers: Optional[int] = opt(
+        None, "Full recomputation: layers per group (uniform) or layers recomputed per stage (block); default 1.")
+    attention_backend: str = opt(
+        "auto", "Attention kernel (megatron-core AttnBackend): flash and fused need Transformer Engine on CUDA; "
+        "unfused and local run anywhere. auto: TE picks on CUDA, local on CPU.",
+        ["auto", "flash", "fused", "unfused", "local"])
+    # Fusions: unset means on where the kernel exists (CUDA, and TE/Apex where it needs them), off on CPU.
+    rope_fusion: Optional[bool] = opt(None, "Fused RoPE (Transformer Engine's kernel); --no-rope-fusion turns it off.")
+    bias_swiglu_fusion: Optional[bool] = opt(None, "Fused bias+SwiGLU (megatron's jit-fused kernel; CUDA).")
+    bias_gelu_fusion: Optional[bool] = opt(None, "Fused bias+GeLU for non-SwiGLU MLPs (jit kernel; CUDA).")
+    bias_dropout_fusion: Optional[bool] = opt(None, "Fused bias+dropout+add (jit kernel; CUDA).")
+    masked_softmax_fusion: Optional[bool] = opt(
+        None, "Fused scale+mask+softmax of the local attention (needs Megatron's CUDA softmax extensions).")
+    gradient_accumulation_fusion: Optional[bool] = opt(
+        None, "Accumulate weight gradients straight into the fp32 main_grad in the GEMM (TE or Apex "
+        "fused_weight_gradient_mlp_cuda; CUDA).")
+    cross_entropy_loss_fusion: Optional[bool] = opt(
+        None, "Fused vocab-parallel cross entropy (unset: on on CUDA).")
+    persist_layer_norm: Optional[bool] = opt(None, "Apex persistent LayerNorm kernel (needs Apex; CUDA).")
     transformer_impl: str = opt(
         "auto", "Layer spec: TE when it imports (auto), or forced.",
         ["auto", "local", "transformer_engine"],
@@ -75,6 +113,15 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = opt(None, "TP inside experts (default: TP).")
     sequence_parallel: bool = opt(False, "Sequence parallelism (needs TP>1; required by MoE+TP).")
     use_distributed_optimizer: bool = opt(False, "Shard optimizer state over data parallel.")
+    overlap_grad_reduce: bool = opt(
+        False, "Reduce (reduce-scatter with the distributed optimizer) each gradient bucket as soon as its "
+        "backward finishes, overlapping communication with the rest of the backward pass.")
+    overlap_param_gather: bool = opt(
+        False, "Distributed optimizer: all-gather each bucket's updated parameters during the next forward "
+        "pass, just before its layers need them (needs --use-distributed-optimizer and --overlap-grad-reduce).")
+    ddp_bucket_size: Optional[int] = opt(
+        None, "Elements per gradient-communication bucket (unset: megatron's default, max(40M, 1M x DP) with "
+        "overlap; one bucket per buffer without).")
 
 
 @dataclass
@@ -186,6 +233,17 @@ class TrainingConfig:
     exit_interval: Optional[int] = opt(None, "Stop cleanly (with a save) after this iteration.")
     exit_signal_handler: bool = opt(
         True, "On SIGTERM or SIGUSR1 every rank finishes the step, saves (--save) and exits 0 (preemption).")
+    exit_duration_in_mins: Optional[float] = opt(
+        None, "Stop cleanly (with a save) after the step during which this many minutes since start-up "
+        "passed; set it a checkpoint's write time below the job's time limit.")
+    rampup_batch_size: Optional[list[str]] = opt(
+        None, "Batch-size ramp-up 'START INCREMENT SAMPLES': begin at START sequences per step and grow by "
+        "INCREMENT over the first SAMPLES samples up to --global-batch-size (megatron-core's calculator).",
+        nargs=3)
+    profile: bool = opt(False, "Record a torch profiler trace (CPU and CUDA activity) into <run-dir>/profile.")
+    profile_step_start: int = opt(10, "--profile: first step recorded.")
+    profile_step_end: int = opt(12, "--profile: step after the last one recorded.")
+    profile_ranks: Optional[list[str]] = opt(None, "--profile: global ranks that record a trace (default 0).", nargs="+")
 
 
 @dataclass
@@ -223,6 +281,18 @@ class CheckpointConfig:
         "checksums.json (written at save; a mismatch otherwise stops the load before anything is read)."
     )
     ckpt_format: str = opt("torch_dist", "Checkpoint format.", ["torch_dist"])
+    async_save: bool = opt(
+        False, "Write checkpoints in a background process: training resumes once the tensors are copied to "
+        "host memory; the checkpoint is published (checksums, latest file) when the write finishes.")
+    ckpt_fully_parallel_save: bool = opt(
+        True, "Split the writing of replicated tensors across data-parallel ranks instead of DP rank 0 "
+        "writing them all (megatron's FullyParallelSaveStrategyWrapper).")
+    ckpt_fully_parallel_load: bool = opt(
+        False, "Each data-parallel rank reads a share of the checkpoint and the ranks exchange it "
+        "(megatron's FullyParallelLoadStrategyWrapper), instead of every rank reading all it needs.")
+    keep_last_n_checkpoints: Optional[int] = opt(
+        None, "After each successful save, delete all but the newest N checkpoints under --save (unset: "
+        "keep all). The newest verified checkpoint is never deleted.")
     dist_ckpt_optim_fully_reshardable: bool = opt(
         False, "Save the distributed Adam state (--optimizer adam --use-distributed-optimizer) in megatron's "
         "'fully_reshardable' format: gathered on DP rank 0 at save, loadable at any TP/PP/EP/DP layout. "

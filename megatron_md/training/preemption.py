@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+TIME_UP = 1 << 20  # poll()'s answer when the --exit-duration-in-mins deadline passed (above any signal number)
 # Test hook, "ITERATION:SECONDS": sleep that long after that iteration's checkpoint shards are written,
 # before the checkpoint is made visible, so a test can kill the process mid-save. Unset in normal use.
 SAVE_DELAY_ENV = "MEGATRON_MD_TEST_SAVE_DELAY"
@@ -38,16 +39,18 @@ class PreemptionWatch:
         if not self.received:
             self.received = int(signum)
 
-    def poll(self) -> int:
-        """The signal number any rank received (0 if none); a collective: call on every rank."""
-        if not self._previous:
+    def poll(self, out_of_time: bool | None = None) -> int:
+        """The signal number any rank received, TIME_UP if any rank's ``out_of_time`` is True (the
+        --exit-duration-in-mins deadline; None: no deadline set), else 0. A collective: call on every rank."""
+        if not self._previous and out_of_time is None:
             return 0
+        local = TIME_UP if out_of_time else self.received
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self.received
+            return local
         device = "cpu"
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
+        flag = torch.tensor([local], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
@@ -58,6 +61,8 @@ class PreemptionWatch:
 
 
 def signal_name(signum: int) -> str:
+    if signum == TIME_UP:
+        return "--exit-duration-in-mins"
     try:
         return signal.Signals(signum).name
     except ValueError:

@@ -57,12 +57,26 @@ def fmt_log_line(rec: dict, train_iters: int) -> str:
         f"consumed samples: {rec['consumed_samples']:12d}",
         f"elapsed time per iteration (ms): {rec['iter_time_ms']:.1f}",
         f"throughput (tokens/s): {rec['tokens_per_s']:.0f}",
+    ]
+    if rec.get("tflops_per_device") is not None:
+        parts.append(f"TFLOP/s per device: {rec['tflops_per_device']:.3g}")
+    if rec.get("mfu") is not None:
+        parts.append(f"MFU: {100 * rec['mfu']:.3g}%")
+    if rec.get("optimizer_ms") is not None:
+        parts.append(f"optimizer (ms): {rec['optimizer_ms']:.1f}")
+    if rec.get("peak_memory_gib") is not None:
+        parts.append(f"peak memory (GiB): {rec['peak_memory_gib']:.2f}")
+    parts += [
         f"learning rate: {rec['lr']:.6E}",
         f"global batch size: {rec['global_batch_size']:5d}",
         f"lm loss: {rec['lm_loss']:.6E}" if rec["lm_loss"] is not None else "lm loss: n/a",
     ]
-    if rec.get("moe_aux_loss") is not None:
-        parts.append(f"load balancing loss: {rec['moe_aux_loss']:.6E}")
+    for key, label in (("moe_load_balancing_loss", "load balancing loss"),
+                       ("moe_seq_load_balancing_loss", "seq load balancing loss"), ("moe_z_loss", "z loss")):
+        if rec.get(key) is not None:
+            parts.append(f"{label}: {rec[key]:.6E}")
+    if rec.get("moe_expert_load_max") is not None:
+        parts.append(f"expert load max/min vs mean: {rec['moe_expert_load_max']:.2f}/{rec['moe_expert_load_min']:.2f}")
     parts += [
         f"grad norm: {rec['grad_norm']:.3f}" if rec["grad_norm"] is not None else "grad norm: n/a",
         f"number of skipped iterations: {rec['skipped']:3d}",

@@ -7,6 +7,7 @@ it can touch the weights), ``optimizer.step()`` (global-norm clipping inside), L
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    get_current_global_batch_size,
+    get_num_microbatches,
+    init_num_microbatches_calculator,
+    update_num_microbatches,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_md.models.presets import count_parameters, human
@@ -29,9 +37,11 @@ from megatron_md.training.build import (
     vocab_size_for,
     with_vocab,
 )
-from megatron_md.training.preemption import PreemptionWatch, mark_preempted, signal_name
+from megatron_md.training.preemption import TIME_UP, PreemptionWatch, mark_preempted, signal_name
 from megatron_md.training.batches import micro_batches
+from megatron_md.training import throughput as tp
 from megatron_md.training.config import RunConfig
+from megatron_md.training.profiling import StepProfiler
 from megatron_md.training.run_logging import RunLogger
 from megatron_md.training.step import all_finite, make_forward_step, reduce_loss
 from megatron_md.training.validate import ConfigError
@@ -65,6 +75,7 @@ def is_logging_rank() -> bool:
 
 class Trainer:
     def __init__(self, cfg: RunConfig):
+        self.start_time = time.time()  # --exit-duration-in-mins counts from here
         self.cfg = cfg
         self.rt = setup_parallel(cfg)
         self.cpu = self.rt.name == "cpu"
@@ -80,6 +91,12 @@ class Trainer:
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.num_micro = self.gbs // (self.dp_size * cfg.training.micro_batch_size)
+        # megatron-core's calculator: the batch size of each step (constant, or ramped up by consumed samples)
+        destroy_num_microbatches_calculator()
+        rampup = [int(x) for x in cfg.training.rampup_batch_size] if cfg.training.rampup_batch_size else None
+        init_num_microbatches_calculator(
+            dist.get_rank(), rampup, self.gbs, cfg.training.micro_batch_size, self.dp_size,
+            decrease_batch_size_if_needed=False)
         self.state = TrainState()
         self.forward_backward = get_forward_backward_func()
         self.logger_lines: list[str] = []
@@ -99,6 +116,16 @@ class Trainer:
         self.probe = AttentionProbe(ckpt.unwrap(self.model)) if cfg.logging.diagnostics_interval else None
         self.preemption = PreemptionWatch(cfg.training.exit_signal_handler)
         self.preempted_by: str | None = None
+        self.timed_out = False
+        self.opt_timer = tp.StepTimer(self.rt.device)
+        self.expert_load = tp.ExpertLoad(self.model) if cfg.model.num_experts else None
+        self.profiler = StepProfiler(cfg.training, Path(cfg.logging.run_dir), dist.get_rank(), self.rt.name == "cuda")
+        dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+        self.peak_tflops, peak_source = tp.peak_tflops(self.rt.device, dtype)
+        self.step_flops_per_sample = tp.model_flops_per_step(cfg.model, self.vocab, 1)
+        self.logger.print(
+            f"model FLOPs per step: {self.step_flops_per_sample * self.gbs:.3e}; peak for MFU: "
+            + (f"{self.peak_tflops:.3g} TFLOP/s per device ({peak_source})" if self.peak_tflops else peak_source))
 
     # -- setup
 
@@ -118,7 +145,7 @@ class Trainer:
             common = ckpt.load_checkpoint(
                 c.load, self.model, self.optimizer, self.scheduler,
                 load_optim=not c.no_load_optim, load_rng=not c.no_load_rng, layer_wise=layer_wise(self.cfg),
-                verify=not c.no_verify_checkpoint,
+                verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load,
             )
             self.state.iteration = common["iteration"]
             self.state.consumed_samples = common["consumed_samples"]
@@ -131,7 +158,7 @@ class Trainer:
         if c.pretrained_checkpoint:
             common = ckpt.load_checkpoint(
                 c.pretrained_checkpoint, self.model, self.optimizer, load_optim=False, load_rng=False,
-                verify=not c.no_verify_checkpoint,
+                verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load,
             )
             self._loaded_from = common["path"] + " (weights only)"
         return False
@@ -179,14 +206,17 @@ class Trainer:
 
     # -- steps
 
-    def _batches(self, dataset, consumed: int):
+    def _batches(self, dataset, consumed: int, gbs: int | None = None):
         return micro_batches(
-            dataset, consumed, self.gbs, self.cfg.training.micro_batch_size,
+            dataset, consumed, gbs or self.gbs, self.cfg.training.micro_batch_size,
             self.dp_rank, self.dp_size, self.rt.device,
         )
 
     def train_step(self) -> tuple[float | None, float | None, bool]:
+        """One optimizer step over the current global batch (``self.step_gbs`` sequences)."""
         t = self.cfg.training
+        update_num_microbatches(self.state.consumed_samples, consistency_check=True)
+        self.step_gbs = get_current_global_batch_size()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         it = self.state.iteration + 1
@@ -195,9 +225,9 @@ class Trainer:
         nan_now = t.inject_nan_at is not None and t.inject_nan_at <= it < t.inject_nan_at + t.inject_nan_iters
         losses = self.forward_backward(
             forward_step_func=make_forward_step(nan_now),
-            data_iterator=self._batches(self.train_ds, self.state.consumed_samples),
+            data_iterator=self._batches(self.train_ds, self.state.consumed_samples, self.step_gbs),
             model=[self.model],
-            num_microbatches=self.num_micro,
+            num_microbatches=get_num_microbatches(),
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
@@ -209,15 +239,33 @@ class Trainer:
             self.optimizer.zero_grad()
             self.model.zero_grad_buffer()
             return loss, None, False
-        ok, grad_norm, _ = self.optimizer.step()
+        with self.opt_timer:
+            ok, grad_norm, _ = self.optimizer.step()
         if ok:
-            self.scheduler.step(increment=self.gbs)
+            self.scheduler.step(increment=self.step_gbs)
         return loss, grad_norm, bool(ok)
+
+    @contextlib.contextmanager
+    def params_synced(self):
+        """With --overlap-param-gather the updated weights arrive bucket by bucket in the next forward's
+        pre-hooks; evaluation, saving and diagnostics need them all now (Megatron-LM does the same)."""
+        if not self.cfg.parallel.overlap_param_gather:
+            yield
+            return
+        self.model.disable_forward_pre_hook()  # a synchronous all-gather of every bucket
+        try:
+            yield
+        finally:
+            self.model.enable_forward_pre_hook()
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         if self.valid_ds is None or len(self.valid_ds) == 0:
             return None
+        with self.params_synced():
+            return self._evaluate()
+
+    def _evaluate(self) -> float | None:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
         for i in range(self.cfg.training.eval_iters):
@@ -242,7 +290,21 @@ class Trainer:
 
     def save(self) -> Path:
         c = self.cfg.checkpoint
-        path = ckpt.save_checkpoint(
+        self._publish_finished_saves(blocking=True)  # one background save at a time, published in order
+        with self.params_synced():
+            path = self._save(c)
+        if c.async_save:
+            self.logger.print(f"saving checkpoint {path.resolve()} in the background")
+        else:
+            self.logger.print(f"saved checkpoint {path.resolve()}")
+        return path
+
+    def _publish_finished_saves(self, blocking: bool) -> None:
+        if self.cfg.checkpoint.async_save and ckpt.finalize_saves(blocking=blocking):
+            self.logger.print("background checkpoint save finished and published")
+
+    def _save(self, c) -> Path:
+        return ckpt.save_checkpoint(
             c.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
             consumed_samples=self.state.consumed_samples,
             run_config_yaml=self.cfg.to_yaml(),
@@ -251,20 +313,25 @@ class Trainer:
                    "auto_policy": self._auto_policy_state()},
             layer_wise=layer_wise(self.cfg),
             fully_reshardable=c.dist_ckpt_optim_fully_reshardable,
+            async_save=c.async_save,
+            fully_parallel=c.ckpt_fully_parallel_save,
+            keep_last=c.keep_last_n_checkpoints,
         )
-        self.logger.print(f"saved checkpoint {path.resolve()}")
-        return path
 
     def train(self) -> TrainState:
         cfg, t, s, log = self.cfg, self.cfg.training, self.state, self.logger
-        interval = {"loss": 0.0, "n": 0, "skipped": 0, "nan": 0, "t0": time.time(), "iters": 0, "grad_norm": None}
+        interval = self._new_interval()
         self.model.train()
         try:
             while s.iteration < t.train_iters:
+                self.profiler.before_step(s.iteration + 1)
+                t0 = time.perf_counter()  # only the step is timed: not evaluation, saving or diagnostics
                 loss, grad_norm, ok = self.train_step()
+                interval["train_s"] += time.perf_counter() - t0
                 s.iteration += 1
-                s.consumed_samples += self.gbs
+                s.consumed_samples += self.step_gbs
                 interval["iters"] += 1
+                interval["samples"] += self.step_gbs
                 if ok:
                     s.consecutive_skips = 0
                     if loss is not None:
@@ -286,15 +353,26 @@ class Trainer:
                             f"or gradient (--max-consecutive-skips {t.max_consecutive_skips}); lower --lr, "
                             "check the data, or resume from the last checkpoint"
                         )
+                trace = self.profiler.after_step(s.iteration)
+                if trace:
+                    print(f"[rank {dist.get_rank()}] profiler trace written to {trace}", flush=True)
                 log.progress(s.iteration)
                 if s.iteration % cfg.logging.log_interval == 0 or s.iteration == t.train_iters:
                     self._log_interval(interval)
-                    interval.update(loss=0.0, n=0, skipped=0, nan=0, t0=time.time(), iters=0, grad_norm=None)
+                    interval = self._new_interval()
                 if t.eval_interval and s.iteration % t.eval_interval == 0 and s.iteration < t.train_iters:
                     self._eval_and_log()
                 if cfg.checkpoint.save and cfg.checkpoint.save_interval and s.iteration % cfg.checkpoint.save_interval == 0:
                     self.save()
-                signum = self.preemption.poll()
+                self._publish_finished_saves(blocking=False)
+                deadline = t.exit_duration_in_mins
+                signum = self.preemption.poll(
+                    None if deadline is None else time.time() - self.start_time > 60.0 * deadline)
+                if signum == TIME_UP:
+                    self.timed_out = True
+                    log.print(f"--exit-duration-in-mins {deadline:g} reached at iteration {s.iteration}: "
+                              "saving and exiting")
+                    break
                 if signum:
                     self.preempted_by = signal_name(signum)
                     log.print(f"received {self.preempted_by} at iteration {s.iteration}: saving and exiting")
@@ -303,12 +381,14 @@ class Trainer:
                     break
             # train_iters 0 makes a seed checkpoint: the initial weights, saved, no evaluation. A preempted
             # run skips the final evaluation: the grace time before the kill is for the checkpoint.
-            run_eval = t.train_iters > 0 and not self.preempted_by
+            self.profiler.finish()
+            run_eval = t.train_iters > 0 and not self.preempted_by and not self.timed_out
             self.final_eval_loss = self._eval_and_log() if run_eval else None
             if cfg.checkpoint.save and not (
                 cfg.checkpoint.save_interval and s.iteration % cfg.checkpoint.save_interval == 0
             ):
                 self.save()
+            self._publish_finished_saves(blocking=True)
             if self.preempted_by:
                 save = cfg.checkpoint.save
                 msg = f"preempted by {self.preempted_by}: " + (
@@ -327,22 +407,44 @@ class Trainer:
             self.logger.log_eval({"iteration": self.state.iteration, "eval_lm_loss": loss})
         return loss
 
+    def _new_interval(self) -> dict:
+        return {"loss": 0.0, "n": 0, "skipped": 0, "nan": 0, "train_s": 0.0, "iters": 0, "samples": 0,
+                "grad_norm": None}
+
     def _log_interval(self, iv: dict) -> None:
-        elapsed = time.time() - iv["t0"]
-        per_iter = elapsed / max(iv["iters"], 1)
+        """One log record (a collective: every rank calls it at the same iterations)."""
+        per_iter = iv["train_s"] / max(iv["iters"], 1)
+        world = dist.get_world_size()
+        tokens = iv["samples"] * self.cfg.model.seq_length
+        flops_per_s = self.step_flops_per_sample * iv["samples"] / max(iv["train_s"], 1e-9)
+        tflops = flops_per_s / world / 1e12
+        # The slowest rank's optimizer step and the largest rank's peak memory, in one reduction.
+        opt_ms = self.opt_timer.take_ms()
+        worst = torch.tensor([opt_ms or 0.0, float(tp.peak_memory_bytes(self.rt.device))], dtype=torch.float64,
+                             device=self.rt.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         rec = {
             "iteration": self.state.iteration,
             "consumed_samples": self.state.consumed_samples,
             "lm_loss": iv["loss"] / iv["n"] if iv["n"] else None,
             "lr": self._group_lr(None),
             "grad_norm": float(iv["grad_norm"]) if iv["grad_norm"] is not None else None,
-            "tokens_per_s": self.gbs * self.cfg.model.seq_length / per_iter,
+            "tokens_per_s": tokens / max(iv["train_s"], 1e-9),
             "iter_time_ms": per_iter * 1000.0,
-            "global_batch_size": self.gbs,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "optimizer_ms": float(worst[0]) if opt_ms is not None else None,
+            "peak_memory_gib": float(worst[1]) / 2**30,
+            "global_batch_size": self.step_gbs,
             "skipped": iv["skipped"],
             "nan": iv["nan"],
             "skipped_total": self.state.skipped_total,
         }
+        if self.cfg.model.num_experts:
+            rec.update(tp.take_moe_losses(self.cfg.model, iv["iters"], get_num_microbatches(), self.state.iteration))
+            load = self.expert_load.take(self.rt.device)
+            if load is not None:
+                rec["moe_expert_load_max"], rec["moe_expert_load_min"] = load
         if self._diagnostics_due(self.state.iteration):
             from megatron_md.training.diagnostics import collect
 

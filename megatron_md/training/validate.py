@@ -177,5 +177,84 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         need(c.save_interval >= 1, "--save-interval must be >= 1")
         need(c.save is not None, "--save-interval needs --save DIR")
 
+    errors += performance_errors(cfg, world_size)
     if errors:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
+
+
+def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
+    """The speed, memory, MoE, checkpoint and profiling knobs (issue 16), each naming its flag and fix."""
+    m, p, t, c = cfg.model, cfg.parallel, cfg.training, cfg.checkpoint
+    errors: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errors.append(msg)
+
+    need(not p.overlap_param_gather or (p.use_distributed_optimizer and p.overlap_grad_reduce),
+         "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (the gather it "
+         "overlaps is the distributed optimizer's, launched by the gradient buckets)")
+    if p.ddp_bucket_size is not None:
+        need(p.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1 (elements)")
+        need(p.overlap_grad_reduce, "--ddp-bucket-size only matters with --overlap-grad-reduce (without it each "
+             "buffer is reduced as one bucket after the backward pass); add --overlap-grad-reduce or drop it")
+    layers_per_stage = m.num_layers // max(p.pipeline_model_parallel_size, 1)
+    if m.recompute_num_layers is not None:
+        need(1 <= m.recompute_num_layers <= layers_per_stage,
+             f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and the {layers_per_stage} "
+             "layers of a pipeline stage")
+    if m.num_experts:
+        if m.moe_expert_capacity_factor is not None:
+            need(m.moe_expert_capacity_factor > 0, "--moe-expert-capacity-factor must be > 0 (unset: no capacity)")
+            need(m.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
+                 f"--moe-expert-capacity-factor works with --moe-router-load-balancing-type aux_loss, "
+                 f"seq_aux_loss or none, not {m.moe_router_load_balancing_type}")
+        need(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
+             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        need(m.moe_z_loss_coeff is None or m.moe_z_loss_coeff >= 0, "--moe-z-loss-coeff must be >= 0")
+        shared = m.moe_shared_expert_intermediate_size
+        need(shared is None or (shared > 0 and shared % p.tensor_model_parallel_size == 0),
+             f"--moe-shared-expert-intermediate-size {shared} must be > 0 and divisible by TP "
+             f"{p.tensor_model_parallel_size}")
+    else:
+        for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size"):
+            need(getattr(m, name) is None, f"--{name.replace('_', '-')} needs an MoE model (--num-experts)")
+    if t.exit_duration_in_mins is not None:
+        need(t.exit_duration_in_mins > 0, "--exit-duration-in-mins must be > 0")
+    if t.rampup_batch_size:
+        errors += _rampup_errors(cfg, world_size)
+    if t.profile:
+        need(1 <= t.profile_step_start < t.profile_step_end,
+             f"--profile-step-start {t.profile_step_start} must be >= 1 and below --profile-step-end "
+             f"{t.profile_step_end}")
+        ranks = t.profile_ranks or ["0"]
+        need(all(r.isdigit() and int(r) < world_size for r in ranks),
+             f"--profile-ranks {' '.join(ranks)}: global ranks of this run are 0..{world_size - 1}")
+    if c.keep_last_n_checkpoints is not None:
+        need(c.keep_last_n_checkpoints >= 1, "--keep-last-n-checkpoints must be >= 1 (unset: keep all)")
+        need(c.save is not None, "--keep-last-n-checkpoints needs --save DIR")
+    need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
+    return errors
+
+
+def _rampup_errors(cfg: RunConfig, world_size: int) -> list[str]:
+    t = cfg.training
+    try:
+        start, incr, samples = (int(x) for x in t.rampup_batch_size)
+    except ValueError:
+        return [f"--rampup-batch-size {' '.join(t.rampup_batch_size)}: expected three integers, START INCREMENT "
+                "SAMPLES"]
+    dp = data_parallel_size(cfg, world_size) or 1
+    unit = t.micro_batch_size * dp
+    gbs = t.global_batch_size or unit
+    if not (1 <= start < gbs and incr >= 1 and samples >= 1):
+        return [f"--rampup-batch-size {start} {incr} {samples}: need 1 <= START < --global-batch-size {gbs}, "
+                "INCREMENT >= 1 and SAMPLES >= 1"]
+    errors = []
+    if start % unit or incr % unit:
+        errors.append(f"--rampup-batch-size {start} {incr} {samples}: START and INCREMENT must be multiples of "
+                      f"--micro-batch-size x data-parallel size = {unit}")
+    if (gbs - start) % incr:
+        errors.append(f"--rampup-batch-size {start} {incr} {samples}: --global-batch-size {gbs} minus START must "
+                      "be a multiple of INCREMENT")
+    return errors
