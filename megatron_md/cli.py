@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import signal
@@ -186,9 +187,9 @@ def cmd_plan(argv: list[str]) -> int:
         from megatron_md.training.validate import validate_config
 
         layout_of(cfg, world)  # the layout's own errors name --world-size, not --nproc-per-node
-        if not cfg.data.data_path:
-            cfg.data.mock_data = True  # a plan reads no data; validate the layout only
-        validate_config(cfg, world)
+        # A plan reads no data and writes nothing: validate model, layout and optimizer only.
+        checked = dataclasses.replace(cfg, data=C.DataConfig(mock_data=True), checkpoint=C.CheckpointConfig())
+        validate_config(checked, world)
         plan = make_plan(cfg, world, mem, plan_args["attention"])
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-md plan: error: {e}", file=sys.stderr)

@@ -254,6 +254,8 @@ def layer_activation_bytes(cfg, lay: Layout, attention: str, selective: bool = F
     tokens = s * b
     # Norm: its input and normalised output; plus the linear's own copy of its (scaled) input.
     seq = 2 * (2 * h * ne + h * e)
+    if m.sandwich_norm:
+        seq += 2 * 2 * h * ne  # the two sublayer-output norms
     tensor = d * (a + 2 * g) * e  # QKV output (Q, K, V views)
     if m.qk_layernorm:
         tensor += (2 * a * d + g * d) * ne  # Q copy, normalised Q and K

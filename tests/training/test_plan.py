@@ -25,7 +25,8 @@ ROOT = HERE.parent.parent
 # covered (AdamW moments, Muon momentum, MD gains, Manifold Muon duals), bf16 master weights, both
 # distributed optimizers (byte-sharded adam, layer-wise), sequence parallelism and expert parallelism.
 CASES = [
-    (1, {"name": "dp1-muon_md-fp32", "model": "tiny-dense", "cli": {"optimizer": "muon_md"}}),
+    (1, {"name": "dp1-muon_md-fp32-paper", "model": "tiny-dense",  # the MD paper's model options
+         "cli": {"optimizer": "muon_md", "sandwich_norm": True, "layer_scale": True, "embedding_scale": True}}),
     # A small vocabulary on some cases so that the layers' activations, not the logits, dominate.
     (1, {"name": "dp1-adam-bf16", "model": "tiny-dense", "cli": {"optimizer": "adam", "bf16": True,
                                                                  "vocab_size": 512}}),
