@@ -9,7 +9,8 @@ Each generated block sits between two markers in the README::
 ``optimizer_step``: every ``benchmarks/results/*.json`` written by ``benchmarks/optimizer_step.py``
 (sorted by file name), one table each. ``ns_engine``: ``benchmarks/results/ns_engine_cpu.json`` from
 ``benchmarks/ns_engine.py`` (tables in ``tools/ns_engine_tables.py``). ``gpu_bench``: ``benchmarks/results/gpu_bench_h200.json`` from
-``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``records_*``: the newest ``records/<date>-<kind>/`` of each kind,
+``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``plan``:
+``benchmarks/results/plan_8x80gb.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``). ``records_*``: the newest ``records/<date>-<kind>/`` of each kind,
 summarised and judged by ``megatron_md.sweep.records`` from its CSVs and cells' metrics.jsonl.
 Standard library only: no torch import.
 
@@ -33,6 +34,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ns_engine_tables import ns_engine_markdown, render_ns_engine  # noqa: E402,F401  (re-exported)
+from plan_tables import render_plan  # noqa: E402
 
 BEGIN = "<!-- BEGIN {name} -->"
 END = "<!-- END {name} -->"
@@ -435,6 +437,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "optimizer_state": render_optimizer_state,
     "ns_engine": render_ns_engine,
     "gpu_bench": render_gpu_bench,
+    "plan": render_plan,
     "records_claims": render_claims,
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",
                                         "final loss vs LR per width, optimum marked"),

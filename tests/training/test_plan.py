@@ -158,3 +158,17 @@ def test_parse_bytes_units():
     assert parse_bytes("96e9") == 96 * 10**9
     with pytest.raises(ValueError, match="--device-memory"):
         parse_bytes("80 gigs")
+
+
+def test_readme_plans_are_current(capsys):
+    """The README's plan table (benchmarks/results/plan_8x80gb.json) is what this code plans now."""
+    stored = json.loads((ROOT / "benchmarks" / "results" / "plan_8x80gb.json").read_text())
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from plan_tables import COMMON
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    for name, entry in stored["plans"].items():
+        rc, stdout, _ = plan_cli(capsys, *entry["args"], *COMMON, "--json")
+        assert rc == 0 and json.loads(stdout) == entry["plan"], (
+            f"{name}: stale; run python tools/plan_tables.py --generate && python tools/render_readme_tables.py")
