@@ -217,6 +217,7 @@ def static_memory(cfg, lay: Layout, stage: int) -> dict:
         master = math.ceil(FP32 * n_dense / shard_d) + math.ceil(FP32 * n_expert / shard_e)
     return {
         "param_count": n_dense + n_expert,
+        "expert_param_count": n_expert,
         "params": param_bytes * (n_dense + n_expert),
         "grads": FP32 * (n_dense + n_expert),  # grad_reduce_in_fp32: fp32 buffers on every rank
         "master_weights": master,

@@ -105,15 +105,19 @@ def communication(cfg, lay: P.Layout, static: dict) -> dict:
     e = 2 if cfg.training.bf16 else P.FP32
     mb, L = lay.micro_batches, P.layers_on_stage(cfg, lay.pp)
     act = m.seq_length * lay.micro_batch * m.hidden_size * e  # one micro-batch's hidden states
-    grads, params = static["grads"], static["params"]
     ring = lambda n: (n - 1) / n  # noqa: E731
+    # DP: the fp32 grad buffers all-reduced, or reduce-scattered plus the param buffers all-gathered; dense
+    # params over the data-parallel group, expert params over the (smaller) expert-data-parallel group.
+    n_expert = static["expert_param_count"]
+    n_dense = static["param_count"] - n_expert
+    grads = ring(lay.dp) * P.FP32 * n_dense + ring(lay.edp) * P.FP32 * n_expert
+    params = ring(lay.dp) * e * n_dense + ring(lay.edp) * e * n_expert
     out = {}
-    # DP: the fp32 grad buffer all-reduced, or reduce-scattered plus the param buffer all-gathered.
     if lay.distopt:
-        out["dp_grad_reduce_scatter"] = ring(lay.dp) * grads
-        out["dp_param_all_gather"] = ring(lay.dp) * params
+        out["dp_grad_reduce_scatter"] = grads
+        out["dp_param_all_gather"] = params
     else:
-        out["dp_grad_all_reduce"] = 2 * ring(lay.dp) * grads
+        out["dp_grad_all_reduce"] = 2 * grads
     # TP: per layer two all-reduces forward and two backward (or all-gather + reduce-scatter pairs under SP:
     # the same bytes), plus the embedding's and the LM head's.
     out["tp_activations"] = (4 * L + 2) * 2 * ring(lay.tp) * act * mb
@@ -164,7 +168,8 @@ def make_plan(cfg, world: int, device_memory: int | None = None, attention: str 
                        "padded_vocab": padded_vocab_size(cfg.model.vocab_size,
                                                          cfg.model.make_vocab_size_divisible_by, lay.tp)},
         "per_device": {
-            "stage": stage, "param_count": st["param_count"], "params": st["params"], "grads": st["grads"],
+            "stage": stage, "param_count": st["param_count"], "expert_param_count": st["expert_param_count"],
+            "params": st["params"], "grads": st["grads"],
             "master_weights": st["master_weights"], "optimizer_state": st["optimizer_state"],
             "optimizer_state_by_kind": st["optimizer_state_by_kind"], "static_total": static_total,
             "activations": {m: act[m] for m in P.RECOMPUTE_MODES},

@@ -133,6 +133,9 @@ def test_plan_big_presets_on_8x80gb(capsys, model, extra):
     comm = plan["communication_per_device"]
     assert comm["dp_grad_reduce_scatter"] > 0 and comm["dp_param_all_gather"] > 0
     assert (comm["ep_all_to_all"] > 0) == (ep > 1)
+    # Expert grads reduce over expert-DP (1 at EP8 on 8 devices): only the dense params' fp32 grads go over DP.
+    dense = dev["param_count"] - dev["expert_param_count"]
+    assert comm["dp_grad_reduce_scatter"] == pytest.approx(7 / 8 * 4 * (dense if ep == 8 else dev["param_count"]))
 
 
 def test_plan_text_table_and_fit_verdict(capsys):
