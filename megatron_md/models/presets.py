@@ -160,8 +160,10 @@ def count_parameters(cfg) -> ParamCounts:
     if cfg.num_experts:
         expert = mlp_params(cfg.moe_ffn_hidden_size)
         router = cfg.num_experts * h
-        mlp_total = cfg.num_experts * expert + router
-        mlp_active = cfg.moe_router_topk * expert + router
+        shared = getattr(cfg, "moe_shared_expert_intermediate_size", None)
+        shared_params = mlp_params(shared) if shared else 0  # every token goes through the shared expert
+        mlp_total = cfg.num_experts * expert + router + shared_params
+        mlp_active = cfg.moe_router_topk * expert + router + shared_params
     else:
         mlp_total = mlp_active = mlp_params(cfg.ffn_hidden_size)
 

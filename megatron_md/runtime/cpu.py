@@ -212,6 +212,17 @@ def _maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     return _ORIG_MOVE[0](tensor, as_numpy=as_numpy, record_stream=record_stream)
 
 
+_ORIG_CKPT_BACKWARD: list[Callable] = []
+
+
+def _checkpoint_backward(ctx, *grads):
+    # Activation recomputation re-runs the forward inside the backward pass. Entered through
+    # torch.autograd.backward (which the mode below itself handles, so torch pops the mode for the
+    # call's duration), that forward would run without the device rewrite: re-enter it here.
+    with _CudaToCpuMode():
+        return _ORIG_CKPT_BACKWARD[0](ctx, *grads)
+
+
 # --- keyword rewrite for factories -----------------------------------------------------------
 
 
@@ -320,7 +331,12 @@ _BRIDGE_LIST = [
     Bridge(_MOE_UTILS, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu, "numpy on CPU"),
     Bridge(_MOE_DISPATCH, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu, "numpy on CPU"),
     Bridge("torch.distributed", "all_gather", _all_gather, "gloo: first-dim-uneven outputs by padding"),
+    Bridge(f"{_TP_RANDOM}:CheckpointFunction", "backward", staticmethod(_checkpoint_backward),
+           "recomputed forward runs under the device rewrite"),
 ]
+
+
+_BRIDGE_CKPT_BACKWARD = _BRIDGE_LIST[-1].replacement
 
 
 def _key(b: Bridge) -> str:
@@ -420,6 +436,8 @@ def install() -> None:
                     _ORIG_MOVE.append(orig)
                 if b.attr == "all_gather" and not _ORIG_ALL_GATHER:
                     _ORIG_ALL_GATHER.append(orig)
+                if b.replacement is _BRIDGE_CKPT_BACKWARD and not _ORIG_CKPT_BACKWARD:
+                    _ORIG_CKPT_BACKWARD.append(getattr(owner, b.attr))
                 setattr(owner, b.attr, b.replacement)
                 _saved.append((owner, b.attr, orig))
             mode = _CudaToCpuMode()
@@ -441,6 +459,7 @@ def _restore() -> None:
             setattr(owner, attr, orig)
     _ORIG_MOVE.clear()
     _ORIG_ALL_GATHER.clear()
+    _ORIG_CKPT_BACKWARD.clear()
 
 
 def uninstall() -> None:

@@ -63,6 +63,17 @@ class TrainState:
 
 # ----------------------------------------------------------------------------- setup helpers
 
+def rampup_schedule(rampup: list[str] | None, global_batch: int) -> str | None:
+    """Megatron-LM's ``--rampup-batch-size START INCREMENT SAMPLES`` as the step schedule megatron-core 0.19
+    runs instead (it ignores ``rampup_batch_size``): START + k x INCREMENT from k x SAMPLES / n samples on,
+    n = (global - START) / INCREMENT steps, reaching the global batch once SAMPLES were consumed."""
+    if not rampup:
+        return None
+    start, incr, samples = (int(x) for x in rampup)
+    steps = (global_batch - start) // incr
+    return " ".join(f"{math.ceil(k * samples / steps)}:{start + k * incr}" for k in range(steps + 1))
+
+
 def is_logging_rank() -> bool:
     return (
         ps.is_pipeline_last_stage()
@@ -93,10 +104,10 @@ class Trainer:
         self.num_micro = self.gbs // (self.dp_size * cfg.training.micro_batch_size)
         # megatron-core's calculator: the batch size of each step (constant, or ramped up by consumed samples)
         destroy_num_microbatches_calculator()
-        rampup = [int(x) for x in cfg.training.rampup_batch_size] if cfg.training.rampup_batch_size else None
         init_num_microbatches_calculator(
-            dist.get_rank(), rampup, self.gbs, cfg.training.micro_batch_size, self.dp_size,
-            decrease_batch_size_if_needed=False)
+            dist.get_rank(), None, self.gbs, cfg.training.micro_batch_size, self.dp_size,
+            decrease_batch_size_if_needed=False,
+            step_batch_size_schedule=rampup_schedule(cfg.training.rampup_batch_size, self.gbs))
         self.state = TrainState()
         self.forward_backward = get_forward_backward_func()
         self.logger_lines: list[str] = []

@@ -300,8 +300,19 @@ def _check_all_gather():
         assert out[0].tolist() == [1.0, 2.0, 3.0]
 
 
+def _check_checkpoint_backward():
+    # A recomputed forward that allocates on "cuda", its backward entered through torch.autograd.backward.
+    from megatron.core.tensor_parallel.random import checkpoint
+
+    x = torch.ones(3, requires_grad=True)
+    y = checkpoint(lambda t: t * torch.full((3,), 2.0, device="cuda"), False, x)
+    y.sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
 _TP = "megatron.core.tensor_parallel.random"
 CHECKS = {
+    f"{_TP}.CheckpointFunction.backward": _check_checkpoint_backward,
     "torch.distributed.all_gather": _check_all_gather,
     "torch.cuda.current_device": _check_current_device,
     "torch.cuda.set_device": _check_set_device,
