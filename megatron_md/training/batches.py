@@ -3,6 +3,10 @@
 Each data-parallel rank takes a contiguous slice of the global batch and splits it into
 micro-batches. Tensor- and pipeline-parallel peers (same DP rank) read the same samples, so
 no broadcast is needed; the position in the data is just ``consumed_samples``.
+
+Why our own: megatron-core 0.19 ships no pretraining sampler (``MegatronPretrainingSampler`` lives in
+Megatron-LM's ``megatron/training``/``megatron/legacy``, which we do not depend on); this is its
+sequential order (global batch ``k`` = samples ``[k*G, (k+1)*G)``, each DP rank a contiguous slice).
 """
 
 from __future__ import annotations

@@ -279,25 +279,32 @@ def _hf_with_eod(tok, where: str):
                      f"{', '.join(_EOD_CANDIDATES)}; set eos_token in its tokenizer_config.json")
 
 
-def _gpt2_bpe(vocab_file, merge_file):
-    """Megatron-LM's GPT2BPETokenizer (vocab.json + merges.txt) through megatron-core's Hugging Face
-    library: megatron-core's own ``megatron`` library fetches the gpt2 config from the Hub, so the two
-    files are staged with a tokenizer_config.json naming transformers' GPT2Tokenizer instead."""
+def _staged_hf(files: dict, config: dict | None, user_path) -> object:
+    """megatron-core's Hugging Face tokenizer of ``files`` ({name in the staging dir: source}) copied into a
+    temporary directory (transformers' AutoTokenizer reads directories, not a lone tokenizer.json, and
+    megatron-core's ``megatron`` library would fetch the gpt2 config from the Hub for GPT-2 BPE)."""
     import shutil
     import tempfile
 
     from megatron.core.tokenizers import MegatronTokenizer
 
-    with tempfile.TemporaryDirectory(prefix="gpt2bpe-") as d:
-        shutil.copyfile(vocab_file, os.path.join(d, "vocab.json"))
-        shutil.copyfile(merge_file, os.path.join(d, "merges.txt"))
-        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
-        special = {k: GPT2_EOD for k in ("bos_token", "eos_token", "unk_token")} if GPT2_EOD in vocab else {}
-        Path(d, "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, **special}))
+    with tempfile.TemporaryDirectory(prefix="tokenizer-") as d:
+        for name, src in files.items():
+            shutil.copyfile(src, os.path.join(d, name))
+        if config:
+            Path(d, "tokenizer_config.json").write_text(json.dumps(config))
         tok = MegatronTokenizer.from_pretrained(d, metadata_path={"library": "huggingface", "model_type": "gpt"})
-    tok.path = str(vocab_file)  # keys the dataset-index cache: the user's file, not the temporary copy
-    return _hf_with_eod(tok, vocab_file)
+    tok.path = str(user_path)  # keys the dataset-index cache: the user's file, not the temporary copy
+    return _hf_with_eod(tok, user_path)
+
+
+def _gpt2_bpe(vocab_file, merge_file):
+    """Megatron-LM's GPT2BPETokenizer: vocab.json + merges.txt as transformers' GPT2Tokenizer,
+    ending documents with <|endoftext|>."""
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    special = {k: GPT2_EOD for k in ("bos_token", "eos_token", "unk_token")} if GPT2_EOD in vocab else {}
+    return _staged_hf({"vocab.json": vocab_file, "merges.txt": merge_file},
+                      {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, **special}, vocab_file)
 
 
 def build_tokenizer(tokenizer_type: str | None = SENTENCEPIECE, tokenizer_model=None,
@@ -314,6 +321,8 @@ def build_tokenizer(tokenizer_type: str | None = SENTENCEPIECE, tokenizer_model=
         return MegatronTokenizer.from_pretrained(
             str(tokenizer_model), metadata_path={"library": "sentencepiece", "model_type": "gpt"})
     if kind == HUGGINGFACE:
+        if Path(tokenizer_model).is_file():
+            return _staged_hf({"tokenizer.json": tokenizer_model}, None, tokenizer_model)
         tok = MegatronTokenizer.from_pretrained(
             str(tokenizer_model), metadata_path={"library": "huggingface", "model_type": "gpt"})
         return _hf_with_eod(tok, tokenizer_model)
