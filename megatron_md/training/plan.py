@@ -313,16 +313,18 @@ def activation_memory(cfg, lay: Layout, stage: int, attention: str) -> dict:
     m = cfg.model
     method = getattr(m, "recompute_method", None) or "uniform"
     n = max(1, min(getattr(m, "recompute_num_layers", None) or 1, L))
+    # Saved between forward and backward, then the working set of the layers being recomputed in backward.
     if method == "block":
-        full = in_flight * (n * full_layer["input"] + (L - n) * full_layer["total"] + extra)
-        full += full_layer["total"]  # the layer being recomputed in backward
-    else:
-        # uniform: the input of each group of n layers, plus one group's activations while it is recomputed
-        full = in_flight * (math.ceil(L / n) * full_layer["input"] + extra) + n * full_layer["total"]
+        saved = in_flight * (n * full_layer["input"] + (L - n) * full_layer["total"] + extra)
+        working = full_layer["total"]
+    else:  # uniform: the input of each group of n layers; one group's activations while it is recomputed
+        saved = in_flight * (math.ceil(L / n) * full_layer["input"] + extra)
+        working = n * full_layer["total"]
     return {
         "none": in_flight * (L * full_layer["total"] + extra),
         "selective": in_flight * (L * sel_layer["total"] + extra),
-        "full": full,
+        "full": saved + working,
+        "full_saved": saved,
         "in_flight_micro_batches": in_flight,
         "per_layer_none": full_layer["total"],
     }

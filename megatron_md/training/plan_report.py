@@ -173,6 +173,7 @@ def make_plan(cfg, world: int, device_memory: int | None = None, attention: str 
             "master_weights": st["master_weights"], "optimizer_state": st["optimizer_state"],
             "optimizer_state_by_kind": st["optimizer_state_by_kind"], "static_total": static_total,
             "activations": {m: act[m] for m in P.RECOMPUTE_MODES},
+            "activations_full_saved": act["full_saved"],  # full recompute before backward's working set
             "in_flight_micro_batches": act["in_flight_micro_batches"],
             "total": totals, "recompute": recompute,
         },

@@ -2,7 +2,8 @@
 
 The multi-rank test launches ``_plan_probe.py`` twice (world 1: DP1; world 2: DP2, TP2, EP2 layouts in one
 process group) and compares each case's per-rank bytes (max over ranks) with the plan's: parameters,
-gradients, master weights and optimizer state within 5%, activations (recompute none) within 25%.
+gradients, master weights and optimizer state within 5%, activations within 25% (the bytes the forward saves
+for backward, in the case's recomputation mode).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ CASES = [
     # A small vocabulary on some cases so that the layers' activations, not the logits, dominate.
     (1, {"name": "dp1-adam-bf16", "model": "tiny-dense", "cli": {"optimizer": "adam", "bf16": True,
                                                                  "vocab_size": 512}}),
+    # Recomputation: what the forward saves (full: the layer inputs; the backward's working set is not seen).
+    (1, {"name": "dp1-adam-fp32-selective", "model": "tiny-dense",
+         "cli": {"optimizer": "adam", "vocab_size": 512, "recompute_granularity": "selective"}}),
+    (1, {"name": "dp1-adam-fp32-full", "model": "tiny-dense",
+         "cli": {"optimizer": "adam", "vocab_size": 512, "recompute_granularity": "full"}}),
     (2, {"name": "dp2-muon_md-bf16-distopt", "model": "tiny-dense",
          "cli": {"optimizer": "muon_md", "bf16": True, "use_distributed_optimizer": True}}),
     (2, {"name": "dp2-adam-bf16-distopt", "model": "tiny-dense",
@@ -39,6 +45,9 @@ CASES = [
                  "vocab_size": 512}}),
     (2, {"name": "tp2-adam_md", "model": "tiny-dense",
          "cli": {"optimizer": "adam_md", "tensor_model_parallel_size": 2}}),
+    (2, {"name": "tp2-sp-adam-full-recompute", "model": "tiny-dense",
+         "cli": {"optimizer": "adam", "tensor_model_parallel_size": 2, "sequence_parallel": True,
+                 "vocab_size": 512, "recompute_granularity": "full", "recompute_num_layers": 2}}),
     (2, {"name": "ep2-moe-muon_md-bf16-distopt", "model": "tiny-moe",
          "cli": {"optimizer": "muon_md", "expert_model_parallel_size": 2, "bf16": True,
                  "use_distributed_optimizer": True, "vocab_size": 512}}),
@@ -68,8 +77,10 @@ def planned(world: int, case: dict) -> dict:
 
 def ratios(world: int, case: dict, measured: dict) -> dict:
     dev = planned(world, case)["per_device"]
+    mode = dev["recompute"]
+    acts = dev["activations_full_saved"] if mode == "full" else dev["activations"][mode]
     plan = {"params": dev["params"], "grads": dev["grads"], "master": dev["master_weights"],
-            "state": dev["optimizer_state"], "activations": dev["activations"]["none"]}
+            "state": dev["optimizer_state"], "activations": acts}
     return {k: (plan[k] / measured[k] if measured[k] else (1.0 if plan[k] == 0 else float("inf")))
             for k in plan}
 
