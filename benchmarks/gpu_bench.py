@@ -45,11 +45,17 @@ from gpu_bench_workers import FLOPS_FORMULA, flops_per_token, run_worker  # noqa
 SCHEMA = 1
 DENSE_OPTIMIZERS = ("adam", "muon", "muon_md", "manifold_muon")
 OPTIMIZER_FLAGS = {"manifold_muon": ["--geometry", "hetero"]}
-# Dense bf16 tensor-core peak without sparsity, from NVIDIA's data sheets; first match of the name wins.
-PEAK_BF16_TFLOPS = (("H200", 989.4), ("GH200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0))
 # Seconds: (cap, floor). A section's timeout is its cap, cut to leave later sections their floors.
-BUDGET = {"gemm": (45, 20), "train": (90, 45), "save_resume": (150, 90), "moe": (80, 45)}
-SECTIONS = ("gemm", "train", "save_resume", "moe")
+BUDGET = {"gemm": (45, 20), "train": (90, 45), "save_resume": (150, 90), "moe": (80, 45), "knobs": (60, 30)}
+SECTIONS = ("gemm", "train", "save_resume", "moe", "knobs")
+# ``knobs_<variant>``: --knobs-optimizer on --preset with one of issue 16's GPU knobs changed, against its
+# ``train_`` row: what the default-on CUDA fusions buy, and what recomputation costs in time and saves in memory.
+KNOB_VARIANTS = {
+    "fusions_off": ("fusions off", ["--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+                                    "--no-gradient-accumulation-fusion", "--no-cross-entropy-loss-fusion"]),
+    "recompute_selective": ("selective recompute", ["--recompute-granularity", "selective"]),
+    "recompute_full": ("full recompute", ["--recompute-granularity", "full"]),
+}
 PACKED_EXPERTS = "packs every local expert"  # MD's refusal of packed expert weights (mcore/naming.py)
 
 
@@ -78,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--moe-steps", type=int, default=20)
     a("--moe-optimizers", default="adam,muon_md", help="muon_md falls back to muon if MD refuses packed experts")
     a("--resume-optimizer", default="muon_md")
+    a("--knobs-optimizer", default="muon_md")
+    a("--knobs-steps", type=int, default=15)
     a("--resume-iters", type=int, default=3, help="N: iterations before the save and after the resume")
     a("--resume-seq-length", type=int, default=1024)
     a("--gemm-sizes", default="4096,8192,16384")
@@ -100,7 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- the driver
 
 def peak_for(name: str) -> float | None:
-    return next((tf for key, tf in PEAK_BF16_TFLOPS if key in name), None)
+    """Dense bf16 peak of a device name: the trainer's table (megatron_md.training.throughput)."""
+    from megatron_md.training.throughput import peak_tflops_for_name
+
+    return peak_tflops_for_name(name)
 
 
 def _version(dist: str) -> str | None:
@@ -378,6 +389,12 @@ class Bench:
             for opt in [o for o in a.moe_optimizers.split(",") if o]:
                 plan.append((f"moe_{opt}", "moe", self.moe(f"moe_{opt}", opt),
                              {"kind": "moe", "preset": a.moe_preset, "optimizer": opt}))
+        if "knobs" in a.sections:
+            for key, (label, flags) in KNOB_VARIANTS.items():
+                plan.append((f"knobs_{key}", "knobs",
+                             self.train(f"knobs_{key}", a.preset, a.knobs_optimizer, a.seq_length, a.micro_batch_size,
+                                        a.knobs_steps, flags),
+                             {"kind": "train", "preset": a.preset, "optimizer": a.knobs_optimizer, "variant": label}))
         try:
             for i, (name, kind, fn, meta) in enumerate(plan):
                 self.section(name, kind, [k for _, k, _, _ in plan[i + 1:]], fn, meta)

@@ -10,9 +10,10 @@ import traceback
 from pathlib import Path
 
 FLOPS_FORMULA = (
-    "model FLOPs per token = 6*N + 12*L*H*s; N = active parameters minus the input embedding (the LM head "
-    "is a matmul and counts), L = layers, H = attention heads x head dim, s = sequence length; the causal "
-    "mask is not discounted; model TFLOP/s = FLOPs per token x tokens/s"
+    "the trainer's (megatron_md.training.throughput.model_flops_per_step, Megatron-LM's formula): per token "
+    "12*L*h^2*((1 + g/a + s/(2h))*(a*d/h) + ffn/h*glu*k + V/(2*L*h)) with g query groups, a heads, d head dim, "
+    "glu 1.5 for SwiGLU, k routed experts (+ shared) for MoE, V the padded vocab; causal attention counts half "
+    "the s^2 term; recomputation is not counted; model TFLOP/s = FLOPs per token x tokens/s"
 )
 
 
@@ -54,12 +55,14 @@ def worker_gemm(spec: dict) -> dict:
 
 
 def flops_per_token(m, vocab: int, active: int) -> tuple[int, float]:
-    """(N, FLOPs per token) as FLOPS_FORMULA says."""
+    """(N, FLOPs per token): N = active parameters minus the input embedding (for the record), FLOPs as the
+    trainer's log line counts them (FLOPS_FORMULA)."""
+    from megatron_md.training.throughput import model_flops_per_step
+
     input_embedding = vocab * m.hidden_size if m.untie_embeddings_and_output_weights else 0
     if m.position_embedding_type == "learned_absolute":
         input_embedding += m.max_position_embeddings * m.hidden_size
-    n = active - input_embedding
-    return n, 6.0 * n + 12.0 * m.num_layers * m.num_attention_heads * m.kv_channels * m.seq_length
+    return active - input_embedding, model_flops_per_step(m, vocab, 1) / m.seq_length
 
 
 def worker_train(spec: dict) -> dict:

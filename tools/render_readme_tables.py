@@ -224,7 +224,8 @@ def gpu_bench_markdown(result: dict, source: str | None = None) -> str:
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for _, x in runs:
         label = f"`{x.get('preset', '?')}`"
-        opt = f"`{x.get('optimizer', '?')}`" + (" (fallback)" if x.get("note") else "")
+        opt = f"`{x.get('optimizer', '?')}`" + (" (fallback)" if x.get("note") else "") + (
+            f" ({x['variant']})" if x.get("variant") else "")
         if x.get("status") != "ok":
             lines.append(f"| {label} | {opt} | {_failure(x)} |  |  |  |  |  |  |  |")
             continue

@@ -19,9 +19,9 @@ import torch.distributed as dist
 BF16_PEAK_TFLOPS = {
     "A100": 312.0,
     "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "H200": 989.0,
-    "GH200": 989.0,
+    "H100": 989.4,
+    "H200": 989.4,
+    "GH200": 989.4,
     "GB200": 2500.0,
     "B200": 2250.0,
 }
@@ -43,13 +43,18 @@ def model_flops_per_step(m, vocab: int, global_batch: int) -> float:
     return 12.0 * global_batch * s * L * h * h * (attention + mlp + logit)
 
 
+def peak_tflops_for_name(name: str) -> float | None:
+    for key in sorted(BF16_PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100", "GB200" first
+        if key in name:
+            return BF16_PEAK_TFLOPS[key]
+    return None
+
+
 def device_peak_tflops(device: torch.device) -> tuple[float | None, str]:
     """The device's bf16 peak and where it came from; (None, why) for a GPU the table lacks."""
     name = torch.cuda.get_device_name(device)
-    for key in sorted(BF16_PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100", "GB200" first
-        if key in name:
-            return BF16_PEAK_TFLOPS[key], f"{key} bf16 datasheet"
-    return None, f"no bf16 peak known for {name}"
+    peak = peak_tflops_for_name(name)
+    return (peak, f"{name} bf16 datasheet") if peak else (None, f"no bf16 peak known for {name}")
 
 
 def measure_cpu_peak_tflops(dtype: torch.dtype, n: int = 512, seconds: float = 0.3) -> float:
