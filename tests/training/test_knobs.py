@@ -112,8 +112,12 @@ def test_rampup_profile_and_throughput_report(tmp_path):
     run = tmp_path / "run"
     run_cli(["train", "--model", "tiny-dense", *SMALL, "--train-iters", "5", "--global-batch-size", "6",
              "--rampup-batch-size", "2", "2", "8", "--profile", "--profile-step-start", "2",
-             "--profile-step-end", "4", "--run-dir", str(run)])
+             "--profile-step-end", "4", "--eval-interval", "1", "--eval-iters", "8", "--run-dir", str(run)])
     recs = train_records(run)
+    # The interval timer counts training steps only: each interval's wall time also holds an evaluation of
+    # 8 batches of 6 sequences, which the step time must not.
+    walls = [b["time"] - a["time"] for a, b in zip(recs, recs[1:])]
+    assert all(r["iter_time_ms"] / 1000 < 0.7 * w for r, w in zip(recs[1:], walls)), (walls, recs)
     sizes = [r["global_batch_size"] for r in recs]
     # megatron-core's ramp: START 2 grows by 2 every 8/2 = 4 samples until the target 6.
     assert sizes == [2, 2, 4, 6, 6], sizes
