@@ -139,11 +139,13 @@ def make_plan(cfg, world: int, device_memory: int | None = None, attention: str 
     lay = P.layout_of(cfg, world)
     kind = P.attention_kind(cfg, attention)
     stages = sorted({0, lay.pp - 1})
-    worst = None
+    worst, per_stage = None, {}
     for stage in stages:
         st = P.static_memory(cfg, lay, stage)
         act = P.activation_memory(cfg, lay, stage, kind)
         static_total = st["params"] + st["grads"] + st["master_weights"] + st["optimizer_state"]
+        per_stage[stage] = {"static_total": static_total, "activations": {m: act[m] for m in P.RECOMPUTE_MODES},
+                            "in_flight_micro_batches": act["in_flight_micro_batches"]}
         cand = (stage, st, act, static_total)
         if worst is None or static_total + act["none"] > worst[3] + worst[2]["none"]:
             worst = cand
@@ -177,6 +179,7 @@ def make_plan(cfg, world: int, device_memory: int | None = None, attention: str 
             "in_flight_micro_batches": act["in_flight_micro_batches"],
             "total": totals, "recompute": recompute,
         },
+        "pipeline_stages": per_stage,  # first and last (the middle ones hold less than the first)
         "flops_per_step": {"model": model_total, "model_per_device": model_total / lay.world,
                            "optimizer_newton_schulz": ns_total,
                            "optimizer_newton_schulz_per_device": ns_total / ns_share},

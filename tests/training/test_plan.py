@@ -186,3 +186,22 @@ def test_readme_plans_are_current(capsys):
         rc, stdout, _ = plan_cli(capsys, *entry["args"], *COMMON, "--json")
         assert rc == 0 and json.loads(stdout) == entry["plan"], (
             f"{name}: stale; run python tools/plan_tables.py --generate && python tools/render_readme_tables.py")
+
+
+def test_plan_pipeline_and_tensor_split(capsys):
+    """PP keeps PP micro-batches in flight on the first stage (1F1B) and splits the layers; TP splits params."""
+    base = ["--json", "--model", "dense-181m", "--bf16", "--micro-batch-size", "2", "--global-batch-size", "64"]
+    plans = {}
+    for name, extra in {"dp4": ["--num-gpus", "4"],
+                        "pp4": ["--num-gpus", "4", "--pipeline-model-parallel-size", "4"],
+                        "tp2": ["--num-gpus", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]}.items():
+        rc, stdout, _ = plan_cli(capsys, *base, *extra)
+        assert rc == 0
+        plans[name] = json.loads(stdout)["per_device"]
+        plans[name]["stages"] = json.loads(stdout)["pipeline_stages"]
+    assert [s["in_flight_micro_batches"] for s in plans["pp4"]["stages"].values()] == [4, 1]
+    assert plans["dp4"]["in_flight_micro_batches"] == 1
+    assert plans["pp4"]["param_count"] < plans["dp4"]["param_count"] / 2
+    # TP2 + SP: every param matrix (vocab-parallel embedding and head too) and every activation split in two.
+    assert plans["tp2"]["param_count"] < 0.51 * plans["dp4"]["param_count"]
+    assert plans["tp2"]["activations"]["none"] < 0.55 * plans["dp4"]["activations"]["none"]
