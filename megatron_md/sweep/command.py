@@ -202,7 +202,7 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
         for round_ in range(1, a.extend_edges + 1):
             if counts["left"]:
                 break  # --max-cells stopped the grid: its edges are not known yet
-            new = spec.extend_edges(results.collect(out))
+            new = spec.extend_edges(results.sweep_curves(spec, results.collect(out)))
             if not new:
                 break
             log(f"[lr-sweep] extend-edges {round_}/{a.extend_edges}: optimum on the grid's edge; adding "

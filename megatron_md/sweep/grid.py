@@ -263,20 +263,18 @@ class SweepSpec:
         names = {c.name for c in out}
         return out + [c for c in self.added if c.name not in names]
 
-    def extend_edges(self, rows: list[dict]) -> list[Cell]:
+    def extend_edges(self, curves: dict) -> list[Cell]:
         """One more ladder point beyond each curve whose best LR (seed mean) is its lowest or highest.
 
-        ``rows`` are results rows; only those of this sweep's cells count, so a rerun re-derives the
-        same added cells (and skips them, finished) whatever else the directory holds. The new cells
-        (every seed) are added to :meth:`cells` and returned; an empty list means every optimum is
-        inside. A curve whose every LR diverged is left alone (no direction to go).
+        ``curves``: (optimizer, width, warmup, wd) -> [(lr, mean, ...)] of this sweep's own cells, points every
+        seed ran (``results.sweep_curves``), so a rerun re-derives the same added cells (and skips them,
+        finished) whatever else the directory holds. The new cells (every seed) are added to :meth:`cells`
+        and returned; an empty list means every optimum is inside. A curve whose every LR diverged is left
+        alone (no direction to go).
         """
-        from megatron_md.sweep.results import curves, full_seed_points
-
         mine = {c.name for c in self.cells()}
         new = []
-        for key, (_, pts) in sorted(curves([r for r in rows if r.get("cell") in mine]).items()):
-            pts = full_seed_points(pts)
+        for key, pts in sorted(curves.items()):
             best = min(range(len(pts)), key=lambda i: pts[i][1])
             if not math.isfinite(pts[best][1]):
                 continue

@@ -125,6 +125,13 @@ def full_seed_points(pts: list[tuple]) -> list[tuple]:
     return [p for p in pts if p[4] == n]
 
 
+def sweep_curves(spec, rows: list[dict]) -> dict:
+    """The curves of ``spec``'s own cells among ``rows``, each cut to the points every seed ran (what
+    ``SweepSpec.extend_edges`` reads)."""
+    mine = {c.name for c in spec.cells()}
+    return {key: full_seed_points(pts) for key, (_, pts) in curves([r for r in rows if r.get("cell") in mine]).items()}
+
+
 def optima(rows: list[dict]) -> list[dict]:
     out = []
     for key, (kind, pts) in sorted(curves(rows).items()):

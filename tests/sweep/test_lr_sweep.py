@@ -201,14 +201,16 @@ def test_extend_edges_adds_the_next_ladder_point_beyond_an_edge_optimum(tmp_path
            "diverged": not math.isfinite(v)}
           for (o, w), vs in losses.items() for k, v in zip((4, 5, 6), vs) for s in (1, 2)]
     n0 = len(sp.cells())
-    new = sp.extend_edges(rs)
+    from megatron_md.sweep.results import sweep_curves
+
+    new = sp.extend_edges(sweep_curves(sp, rs))
     assert sorted((c.optimizer, c.width, c.k, c.seed) for c in new) == [
         ("muon_md", 64, 7, 1), ("muon_md", 64, 7, 2), ("muon_md", 128, 3, 1), ("muon_md", 128, 3, 2)]
-    assert len(sp.cells()) == n0 + 4 and sp.extend_edges(rs) == []  # already added: not added twice
+    assert len(sp.cells()) == n0 + 4 and sp.extend_edges(sweep_curves(sp, rs)) == []  # already added: not added twice
     assert all(c.warmup == wu["muon_md"] and c.steps == sp.steps for c in new)
     # a curve of one LR grows on both sides; rows of cells outside the sweep do not count
     one = spec(optimizers=("muon_md",), widths=[64], seeds=[1, 2], k_ranges={"muon_md": (5, 5)})
-    assert sorted({c.k for c in one.extend_edges(rs)}) == [4, 6]
+    assert sorted({c.k for c in one.extend_edges(sweep_curves(one, rs))}) == [4, 6]
 
 
 # ----------------------------------------------------------------------------- end to end
