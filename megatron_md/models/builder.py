@@ -144,6 +144,11 @@ def attention_backend(model_cfg, *, cpu: bool, use_te: bool):
             f"--attention-backend {name} is a Transformer Engine kernel and needs CUDA with TE layers; "
             "use --attention-backend local (megatron-core's own attention) or auto"
         )
+    if name == "local" and use_te:
+        raise ValueError(
+            "--attention-backend local is megatron-core's own attention, which Transformer Engine's layer spec "
+            "does not build; add --transformer-impl local, or pick flash, fused, unfused or auto for TE"
+        )
     return AttnBackend[name]
 
 

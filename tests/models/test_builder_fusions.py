@@ -71,6 +71,8 @@ def test_attention_backend_and_recompute_reach_transformer_config():
     assert _tc({"attention_backend": "local"}, cpu=True, use_te=False).attention_backend == AttnBackend.local
     with pytest.raises(ValueError, match="--attention-backend flash"):
         _tc({"attention_backend": "flash"}, cpu=True, use_te=False)
+    with pytest.raises(ValueError, match="--transformer-impl local"):
+        _tc({"attention_backend": "local"}, cpu=False, use_te=True)
     sel = _tc({"recompute_granularity": "selective"}, cpu=True, use_te=False)
     assert sel.recompute_granularity == "selective" and sel.recompute_modules == ["core_attn"]
     full = _tc({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2},
