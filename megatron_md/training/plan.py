@@ -156,7 +156,10 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
         kinds["adam_moments"] += 2 * FP32 * n
 
     def base(kind, n):
-        (adam(n) if kind == "adam" else kinds.__setitem__("muon_momentum", kinds["muon_momentum"] + FP32 * n))
+        if kind == "adam":
+            adam(n)
+        else:
+            kinds["muon_momentum"] += FP32 * n
 
     def md(tn: Tensor, base_kind: str, gains: str):
         base(base_kind, tn.numel)
