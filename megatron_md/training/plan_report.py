@@ -12,6 +12,7 @@ from megatron_md.models.presets import count_parameters
 from megatron_md.optim.policy import MANIFOLD_GEOMETRIES, make_policy
 from megatron_md.parallel.orthogonalize import msign_flops
 from megatron_md.training import plan as P
+from megatron_md.training.throughput import model_flops_per_step
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -44,18 +45,11 @@ def human_flops(n: float) -> str:
 # ------------------------------------------------------------------------------------------------ FLOPs
 
 
-def model_flops(cfg, global_batch: int) -> float:
-    """Megatron-LM's num_floating_point_operations: 3 (fwd + bwd) x 2 FLOPs per multiply-add over the
-    active matmul parameters (the input embedding is a lookup) plus causal attention's QKᵀ and AV."""
+def model_flops(cfg, global_batch: int, tp: int = 1) -> float:
+    """The trainer's Megatron-LM FLOP formula (``throughput.model_flops_per_step``, what MFU is logged
+    against) at the padded vocabulary the run builds."""
     m = cfg.model
-    n = count_parameters(m)
-    lookup = m.vocab_size * m.hidden_size  # the input embedding (tied: the head still multiplies it)
-    if m.position_embedding_type == "learned_absolute":
-        lookup += m.max_position_embeddings * m.hidden_size
-    matmul = n.active - (lookup if m.untie_embeddings_and_output_weights else lookup - m.vocab_size * m.hidden_size)
-    tokens = global_batch * m.seq_length
-    attention = m.num_layers * 2 * 2 * m.seq_length * m.num_attention_heads * m.kv_channels * 0.5  # causal
-    return 3 * 2 * tokens * matmul + 3 * tokens * attention
+    return model_flops_per_step(m, padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp), global_batch)
 
 
 def optimizer_ns_flops(cfg) -> float:
@@ -152,7 +146,7 @@ def make_plan(cfg, world: int, device_memory: int | None = None, attention: str 
     stage, st, act, static_total = worst
     recompute = P.configured_recompute(cfg)
     totals = {mode: static_total + act[mode] for mode in P.RECOMPUTE_MODES}
-    model_total = model_flops(cfg, lay.global_batch)
+    model_total = model_flops(cfg, lay.global_batch, lay.tp)
     ns_total = optimizer_ns_flops(cfg)
     # Newton–Schulz runs once per matrix in its TP group (layer_sharded) and once per DP owner under the
     # layer-wise optimizer; without it every DP replica repeats its model shard's work.
@@ -224,7 +218,7 @@ def format_plan(plan: dict) -> str:
         lines.append(f"  {'device memory'.ljust(width)}  {human_bytes(plan['device_memory']):>12}")
     fl = plan["flops_per_step"]
     lines += ["", "FLOPs per step",
-              f"  model (6·N·tokens + attention)   {human_flops(fl['model']):>14}  "
+              f"  model (Megatron-LM formula)      {human_flops(fl['model']):>14}  "
               f"({human_flops(fl['model_per_device'])} per device)",
               f"  optimizer Newton–Schulz          {human_flops(fl['optimizer_newton_schulz']):>14}  "
               f"({human_flops(fl['optimizer_newton_schulz_per_device'])} per device)",
