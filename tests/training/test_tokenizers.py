@@ -95,6 +95,28 @@ def test_bad_tokenizer_flags_name_the_flag_and_the_fix(kit, tmp_path):
         build_tokenizer("SentencePieceTokenizer", kit.hf_json)
 
 
+def test_gpt2_files_kept_with_a_checkpoint_and_written_for_hf(kit, tmp_path):
+    """GPT-2 BPE without a training: the checkpoint keeps vocab.json + merges.txt, a run config pointed
+    at them reads the same ids, and the export writes a tokenizer transformers reads alike."""
+    from transformers import AutoTokenizer
+
+    from megatron_md.convert.hf_tokenizer import write_hf_tokenizer
+    from megatron_md.training.config import DataConfig
+    from megatron_md.training.tokenizer import save_tokenizer_files, tokenizer_for_data, use_checkpoint_tokenizer
+
+    d = DataConfig(data_path=["P"], vocab_file=kit.vocab, merge_file=kit.merges)
+    assert save_tokenizer_files(d, tmp_path) == ["tokenizer/vocab.json", "tokenizer/merges.txt"]
+    assert use_checkpoint_tokenizer(d, tmp_path) and d.vocab_file == str(tmp_path / "tokenizer" / "vocab.json")
+    tok = tokenizer_for_data(d)
+    assert tok.tokenize(TEXTS[0]) == kit.ref.encode(TEXTS[0]).ids
+    special = write_hf_tokenizer(d, tok, tmp_path / "hf", 32)
+    eod = kit.ref.token_to_id("<|endoftext|>")
+    assert special == {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": None}
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert [hf.encode(t) for t in TEXTS] == [kit.ref.encode(t).ids for t in TEXTS]
+    assert not use_checkpoint_tokenizer(DataConfig(tokenizer_model=kit.hf_json), tmp_path / "nothing")
+
+
 def test_fit_vocab_padding_for_imported_vocabularies():
     from megatron_md.convert.hf_import import _fit_vocab_padding
 
