@@ -116,6 +116,13 @@ def inventory(cfg, lay: Layout, stage: int) -> list[Tensor]:
         if bias:
             add("bias", (up * f,), 0, L * local_experts, True, lay.etp)
             add("bias", (h,), None, L * local_experts, True)
+        shared = getattr(m, "moe_shared_expert_intermediate_size", None)
+        if shared:  # the shared expert: a dense TP-split MLP beside the routed ones (policy role: experts)
+            add("experts.fc1", (up * shared, h), 0, L)
+            add("experts.fc2", (h, shared), 1, L)
+            if bias:
+                add("bias", (up * shared,), 0, L)
+                add("bias", (h,), None, L)
     else:
         f = m.ffn_hidden_size
         add("mlp.fc1", (up * f, h), 0, L)
@@ -281,6 +288,9 @@ def layer_activation_bytes(cfg, lay: Layout, attention: str, selective: bool = F
         # MLP and the prob-weighted output.
         mlp_bytes = tokens * k * (h + (mlp(f) + f) / lay.etp) * e
         small = tokens * (m.num_experts * FP32 + 3 * k * 8)  # router scores and routing indices
+        shared = getattr(m, "moe_shared_expert_intermediate_size", None)
+        if shared:
+            mlp_bytes += tokens * mlp(shared) / t * e
     else:
         mlp_bytes, small = tokens * mlp(m.ffn_hidden_size) / t * e, 0
     seq_bytes = tokens * seq / (t if lay.sp else 1)

@@ -66,6 +66,10 @@ def optimizer_ns_flops(cfg) -> float:
         shapes["experts.fc1"] = [((2 if m.swiglu else 1) * fe, h)] * m.num_experts
         shapes["experts.fc2"] = [(h, fe)] * m.num_experts
         shapes["router"] = [(m.num_experts, h)]
+        shared = getattr(m, "moe_shared_expert_intermediate_size", None)
+        if shared:
+            shapes["experts.fc1"] = shapes["experts.fc1"] + [((2 if m.swiglu else 1) * shared, h)]
+            shapes["experts.fc2"] = shapes["experts.fc2"] + [(h, shared)]
     else:
         shapes["mlp.fc1"], shapes["mlp.fc2"] = fc1, [(h, f)]
     total = 0.0

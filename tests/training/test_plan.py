@@ -31,7 +31,8 @@ CASES = [
     # A small vocabulary on some cases so that the layers' activations, not the logits, dominate.
     (1, {"name": "dp1-adam-bf16", "model": "tiny-dense", "cli": {"optimizer": "adam", "bf16": True,
                                                                  "vocab_size": 512}}),
-    (1, {"name": "dp1-moe-muon-fp32", "model": "tiny-moe", "cli": {"optimizer": "muon", "vocab_size": 512}}),
+    (1, {"name": "dp1-moe-shared-muon-fp32", "model": "tiny-moe",
+         "cli": {"optimizer": "muon", "vocab_size": 512, "moe_shared_expert_intermediate_size": 96}}),
     # Recomputation: what the forward saves (full: the layer inputs; the backward's working set is not seen).
     (1, {"name": "dp1-adam-fp32-selective", "model": "tiny-dense",
          "cli": {"optimizer": "adam", "vocab_size": 512, "recompute_granularity": "selective"}}),
