@@ -154,13 +154,19 @@ def test_idx_read_by_megatron_core_and_damage_is_named(kit, tmp_path):
 
 @pytest.fixture(scope="module")
 def flow(kit):
-    """Preprocess with HF and GPT-2 BPE; train with the HF tokenizer, saving a checkpoint. One training
-    shared by the tests below."""
+    """Preprocess with HF (library) and GPT-2 BPE (tools/preprocess_data.py); train with the HF tokenizer,
+    saving a checkpoint. One training shared by the tests below."""
     from megatron_md.training.preprocess import preprocess
 
     d = kit.dir
     preprocess(d / "docs.jsonl", d / "hf", tokenizer_model=kit.hf_dir, append_eod=True, log=None)
-    preprocess(d / "docs.jsonl", d / "gpt2", vocab_file=kit.vocab, merge_file=kit.merges, append_eod=True, log=None)
+    import importlib.util  # tools/preprocess_data.py's flags, in this process (one worker: no spawn)
+
+    spec = importlib.util.spec_from_file_location("preprocess_data", REPO / "tools" / "preprocess_data.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--input", str(d / "docs.jsonl"), "--output-prefix", str(d / "gpt2"), "--vocab-file",
+                      kit.vocab, "--merge-file", kit.merges, "--append-eod"]) == 0
     prefix = str(d / "hf_text_document")
     run_cli(["train", *TRAIN, "--train-iters", "8", "--data-path", prefix, "--tokenizer-model", kit.hf_json,
              "--save", str(d / "ck"), "--run-dir", str(d / "run")])
