@@ -246,8 +246,10 @@ def tokenizer_errors(tokenizer_type: str | None, tokenizer_model=None, vocab_fil
                         "local Hugging Face tokenizer directory")
         elif model.is_dir():
             if not any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                gpt2 = (" (GPT-2 BPE files: pass --vocab-file DIR/vocab.json --merge-file DIR/merges.txt)"
+                        if (model / "vocab.json").is_file() and (model / "merges.txt").is_file() else "")
                 errs.append(f"--tokenizer-model {tokenizer_model}: the directory holds no tokenizer.json or "
-                            "tokenizer_config.json; point it at a Hugging Face tokenizer directory")
+                            f"tokenizer_config.json; point it at a Hugging Face tokenizer directory{gpt2}")
         elif _looks_like_sentencepiece(model):
             errs.append(f"--tokenizer-model {tokenizer_model} is not a Hugging Face tokenizer.json (a SentencePiece "
                         f"model?): pass --tokenizer-type {SENTENCEPIECE}, or a tokenizer.json / HF directory")
