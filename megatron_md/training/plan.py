@@ -312,7 +312,12 @@ def stage_extra_activation_bytes(cfg, lay: Layout, stage: int, attention: str) -
     if stage == lay.pp - 1:
         vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, lay.tp)
         out += tokens * m.hidden_size * (2 * ne + e) / (lay.tp if lay.sp else 1)
-        out += tokens * vocab / lay.tp * FP32  # vocab-parallel cross entropy keeps fp32 softmax
+        # Megatron's vocab-parallel cross entropy keeps the softmax for backward: in fp32 (it upcasts the
+        # logits), or in the logits' dtype with --cross-entropy-loss-fusion (on by default on CUDA).
+        fused = m.cross_entropy_loss_fusion
+        if fused is None:
+            fused = cfg.training.device != "cpu"
+        out += tokens * vocab / lay.tp * (e if fused else FP32)
     return out
 
 
