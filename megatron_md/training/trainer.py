@@ -459,7 +459,8 @@ class Trainer:
         if self._diagnostics_due(self.state.iteration):
             from megatron_md.training.diagnostics import collect
 
-            diag = collect(self.model, self.optimizer, self.probe)
+            with self.params_synced():
+                diag = collect(self.model, self.optimizer, self.probe)
             rec.update(diag)
             policy = getattr(self.optimizer, "megatron_md_policy", None)
             if policy is not None:
