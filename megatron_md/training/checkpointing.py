@@ -252,10 +252,6 @@ def async_strategy() -> str:
     return "nvrx" if has_nvrx_async_support() else "mcore"
 
 
-def pending_saves() -> int:
-    return _ASYNC_QUEUE.get_num_unfinalized_calls() if _ASYNC_QUEUE is not None else 0
-
-
 def save_strategy(fully_parallel: bool):
     """torch_dist; fully parallel spreads the writing of replicated tensors over the data-parallel ranks."""
     if not fully_parallel or ps.get_data_parallel_world_size(with_context_parallel=True) == 1:

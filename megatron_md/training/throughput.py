@@ -199,9 +199,3 @@ def take_moe_losses(m, iterations: int, micro_batches: int, iteration: int) -> d
     )
     return {f"moe_{k}": float(v) for k, v in out.items()}
 
-
-def clear_moe_losses() -> None:
-    """Forget what the routers recorded (evaluation forwards record nothing, but a skipped step did)."""
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-
-    get_moe_metrics_tracker().clear()
