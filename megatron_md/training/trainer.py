@@ -382,7 +382,7 @@ class Trainer:
                 if signum == TIME_UP:
                     self.timed_out = True
                     log.print(f"--exit-duration-in-mins {deadline:g} reached at iteration {s.iteration}: "
-                              "saving and exiting")
+                              + ("saving and exiting" if cfg.checkpoint.save else "exiting (no --save)"))
                     break
                 if signum:
                     self.preempted_by = signal_name(signum)
