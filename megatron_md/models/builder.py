@@ -210,9 +210,7 @@ def transformer_config(
         autocast_dtype=dtype,
         # CPU: initialise the full master weight on CPU so the init is TP-size independent.
         use_cpu_initialization=cpu,
-        # Megatron-LM's setting: PP stages free their sent activations' data. Its backward goes straight to
-        # the C++ engine (no torch.autograd.backward), so on CPU the runtime's device rewrite stays active for
-        # the forwards that activation recomputation re-runs inside the backward pass.
+        # Megatron-LM's setting: a pipeline stage frees the data of the activations it has sent.
         deallocate_pipeline_outputs=True,
         attention_backend=attention_backend(m, cpu=cpu, use_te=use_te),
         **fusion_settings(m, cpu=cpu, use_te=use_te, grouped=grouped),
