@@ -17,7 +17,8 @@ from .md import (
     qkv_row_index,
 )
 from .msign import msign, scale_factor
-from .muon_md import AdamMD, MDOptimizer, MuonMD
+from .bases import BASES, LionBase, SoapBase
+from .muon_md import AdamMD, LionMD, MDOptimizer, MuonMD, SoapMD
 from . import manifolds
 from .manifold_muon import ManifoldHyperParams, ManifoldMuon, manifold_step_
 from .policy import (
@@ -35,6 +36,11 @@ from .policy import (
 __all__ = [
     "AdamBase",
     "AdamMD",
+    "BASES",
+    "LionBase",
+    "LionMD",
+    "SoapBase",
+    "SoapMD",
     "BaseUpdate",
     "MDHyperParams",
     "MDOptimizer",

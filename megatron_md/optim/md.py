@@ -3,9 +3,16 @@
 A managed matrix is stored fused, ``W = diag(γ_r) · Ŵ · diag(γ_c)``: the direction ``Ŵ`` lives on a sphere,
 the gains ``γ = φ(ρ)`` live in optimizer state. One step (``md_step_``) follows §2.3 in order.
 
-Every reduction over a matrix axis goes through a ``Reducer`` so the same code runs on tensor-parallel
-shards: a TP subclass all-reduces the partial sums when the reduced axis is sharded and reports the
-global shape (radii and scale factors always use global shapes). Nothing here talks to process groups.
+Options of the authors' code (§2.1-2.3): gains per row and column, per row, per column, one per matrix
+(``flat``) or ``embed`` (row gains, column gains on out-projections); parametrisations softplus / direct /
+offset / exp; ``preserve_init`` (gains seeded with the initial norms instead of projecting the weights);
+the tangential gradient (``tangent_grad``, ``--hs-p``) and the update normalised onto the sphere
+(``normalize_update``, ``--hs-u``).
+
+Every reduction over a matrix axis goes through a ``Reducer`` (``sphere.py``) so the same code runs on
+tensor-parallel shards: a TP subclass all-reduces the partial sums when the reduced axis is sharded and
+reports the global shape (radii and scale factors always use global shapes). Nothing here talks to
+process groups.
 """
 
 from __future__ import annotations
@@ -29,44 +36,24 @@ from .blocks import (  # noqa: F401 (qkv_row_index re-exported: callers import i
     set_block_,
 )
 from .msign import msign, scale_factor
+from .sphere import (  # noqa: F401 (re-exported: the sphere used to live here)
+    LOCAL_REDUCER,
+    Reducer,
+    blocks_sphere_scale,
+    flat_radius,
+    project_,
+    project_blocks_,
+    sphere_scale,
+    tangent_,
+)
 
 MaybeTensor = torch.Tensor | None
-SPHERES = ("flat", "row", "col")
-GAIN_MODES = ("rowcol", "row", "col", "none")
+SPHERES = ("flat", "row", "col", "embed")
+GAIN_MODES = ("rowcol", "row", "col", "flat", "embed", "none")
+GAIN_AXES = ("row", "col", "flat")  # state keys rho_<axis>, exp_avg_<axis>, exp_avg_sq_<axis>
 DIRECTION_CLAMP = 1e-8  # floor of each gain when undoing the gains
-_NORM_FLOOR = 1e-30  # keeps an all-zero row/matrix at zero instead of NaN when projecting
 
 
-class Reducer:
-    """Local (single-process) sums over a matrix; a TP subclass all-reduces when the axis is sharded.
-
-    Every axis sum ends in ``complete(partial, axis)``: the local partial sums of this piece of the matrix,
-    made global (identity here; an all-reduce when ``axis`` crosses the shards).
-    """
-
-    def complete(self, partial: torch.Tensor, axis: str) -> torch.Tensor:
-        """``axis``: "rows" (summed over axis 0), "cols" (over axis 1) or "all" (a scalar)."""
-        return partial
-
-    def sum_over_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over axis 0 of ``[m, n]`` -> ``[n]`` (needs an all-reduce when rows are sharded)."""
-        return self.complete(t.sum(dim=0), "rows")
-
-    def sum_over_cols(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over axis 1 of ``[m, n]`` -> ``[m]`` (needs an all-reduce when columns are sharded)."""
-        return self.complete(t.sum(dim=1), "cols")
-
-    def sum_all(self, t: torch.Tensor) -> torch.Tensor:
-        """Scalar sum (needs an all-reduce whenever the tensor is sharded)."""
-        return self.complete(t.sum(), "all")
-
-    def global_shape(self, local_shape: Sequence[int]) -> tuple[int, int]:
-        """Shape of the full (unsharded) matrix or block whose local piece has ``local_shape``."""
-        m, n = local_shape
-        return int(m), int(n)
-
-
-LOCAL_REDUCER = Reducer()
 
 
 def matrix_params(param_group: dict, owner: str) -> list[torch.Tensor]:
@@ -103,7 +90,8 @@ def _softplus_inv(x: torch.Tensor) -> torch.Tensor:
 
 
 def gain_param(kind: str = "softplus", gmin: float = 1e-5) -> GainParam:
-    """The parametrisation named ``kind``: "softplus" (default, ρ0 = ln(e-1)), "direct" (γ = ρ >= gmin), "exp"."""
+    """The parametrisation named ``kind``: "softplus" (default, ρ0 = ln(e-1)), "direct" (γ = ρ >= gmin),
+    "offset" (γ = 1 + ρ, ρ0 = 0), "exp"."""
     if kind == "softplus":
         return GainParam("softplus", F.softplus, _softplus_inv, torch.sigmoid)
     if kind == "direct":
@@ -116,9 +104,11 @@ def gain_param(kind: str = "softplus", gmin: float = 1e-5) -> GainParam:
             torch.ones_like,
             rho_floor=gmin,
         )
+    if kind == "offset":
+        return GainParam("offset", lambda r: 1.0 + r, lambda x: x - 1.0, torch.ones_like)
     if kind == "exp":
         return GainParam("exp", torch.exp, torch.log, torch.exp)
-    raise ValueError(f"unknown gain_param {kind!r}; choose softplus, direct or exp")
+    raise ValueError(f"unknown gain_param {kind!r}; choose softplus, direct, offset or exp")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -141,15 +131,23 @@ class MDHyperParams:
     gains_weight_decay: float | None = None  # None: same as weight_decay (ALGORITHMS.md §2.5)
     qkv_split_shapes: tuple[int, int, int] | None = None
     radius_scale: float = 1.0  # flat-sphere radius multiplier (paper option: 1/sqrt(2L) on out-projections)
+    out_proj: bool = False  # the group holds out-projections (attention proj, fc2): "embed" means col for them
+    preserve_init: bool = False  # seed the gains with the initial norms instead of projecting the weights
+    tangent_grad: bool = False  # --hs-p: drop Ĝ's radial component at Ŵ before the base update
+    normalize_update: bool = False  # --hs-u: put the base update on Ŵ's sphere before the step
     # Muon base
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
     ns_coefficients: str = "quintic"
     scale_mode: str = "shape_up"
-    # Adam base
+    # Adam base (and SOAP's inner Adam)
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-8
+    # Lion base: sign of lerp(M, Ĝ, 1-β1); M <- lerp(M, Ĝ, 1-β2)
+    lion_betas: tuple[float, float] = (0.9, 0.99)
+    # SOAP base: Kronecker-factor EMA and how often the eigenbasis is refreshed
+    soap_shampoo_beta: float = 0.95
     extra: dict = field(default_factory=dict)  # unknown group keys, for future base updates
 
     @classmethod
@@ -159,11 +157,24 @@ class MDHyperParams:
         extra = {k: v for k, v in group.items() if k not in names and k != "params"}
         return cls(**known, extra=extra)
 
+    @property
+    def sphere_mode(self) -> str:
+        """The sphere of this group's matrices: ``embed`` resolved to ``col`` for out-projections, else ``row``."""
+        return ("col" if self.out_proj else "row") if self.sphere == "embed" else self.sphere
+
+    @property
+    def gains_mode(self) -> str:
+        """The gains of this group's matrices: ``embed`` resolved like ``sphere_mode``."""
+        return ("col" if self.out_proj else "row") if self.gains == "embed" else self.gains
+
     def validate(self) -> None:
         if self.sphere not in SPHERES:
             raise ValueError(f"unknown sphere {self.sphere!r}; choose one of {SPHERES}")
         if self.gains not in GAIN_MODES:
             raise ValueError(f"unknown gains mode {self.gains!r}; choose one of {GAIN_MODES}")
+        if self.preserve_init and self.gains_mode == "none":
+            raise ValueError("preserve_init keeps the initial magnitudes in the gains, so it needs gains; "
+                             "choose gains other than 'none' or drop preserve_init")
         gain_param(self.gain_param, self.gmin)
         scale_factor(1, 1, self.scale_mode)
         split = self.qkv_split_shapes
@@ -176,85 +187,7 @@ class MDHyperParams:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Sphere projection and gain algebra
-
-
-def flat_radius(global_shape: Sequence[int]) -> float:
-    """Flat-sphere radius sqrt(max(M, N)) of the GLOBAL (block) shape: entry RMS 1/sqrt(min(M, N))."""
-    return math.sqrt(max(global_shape))
-
-
-def sphere_scale(W: torch.Tensor, mode: str, radius: float | None, reducer: Reducer) -> torch.Tensor:
-    """The factor that puts ``W`` on its sphere: a scalar (flat), ``[m, 1]`` (row) or ``[1, n]`` (col).
-
-    Row norms come from ``vector_norm`` along rows (no squared temporary of the matrix); the flat norm sums
-    those: on CPU, fp32 ``vector_norm`` over a whole matrix (or down long columns) accumulates naively and was
-    measured 3e-5 (4096x512) to 5e-3 (131072x512) relative off, row norms of up to 32768 entries within 1e-6.
-    Every partial sum is completed by the reducer.
-    """
-    if mode == "flat":
-        r = flat_radius(reducer.global_shape(W.shape)) if radius is None else radius
-        sq = reducer.complete(torch.linalg.vector_norm(W, dim=1).square_().sum(), "all")
-        return r / sq.sqrt().clamp_min(_NORM_FLOOR)
-    if mode == "row":
-        sq = reducer.complete(torch.linalg.vector_norm(W, dim=1).square_(), "cols")
-        return ((1.0 if radius is None else radius) / sq.sqrt_().clamp_min_(_NORM_FLOOR)).unsqueeze(1)
-    if mode == "col":
-        sq = reducer.complete(W.square().sum(dim=0), "rows")
-        return ((1.0 if radius is None else radius) / sq.sqrt_().clamp_min_(_NORM_FLOOR)).unsqueeze(0)
-    raise ValueError(f"unknown sphere {mode!r}; choose one of {SPHERES}")
-
-
-def project_(
-    W: torch.Tensor, mode: str = "flat", radius: float | None = None, reducer: Reducer = LOCAL_REDUCER
-) -> torch.Tensor:
-    """Project ``W`` onto its sphere in place and return it.
-
-    flat: ``W <- r W / ‖W‖_F`` with ``r = radius`` (default sqrt(max) of the reducer's global shape);
-    row / col: every row / column rescaled to norm ``radius`` (default 1).
-    """
-    return W.mul_(sphere_scale(W, mode, radius, reducer))
-
-
-def _block_radius(blk: Block, mode: str, radius_scale: float) -> float | None:
-    return radius_scale * flat_radius(blk.shape) if mode == "flat" else None
-
-
-def blocks_sphere_scale(
-    W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer = LOCAL_REDUCER, radius_scale: float = 1.0
-) -> torch.Tensor:
-    """``sphere_scale`` of every block (fused QKV: Q, K, V radii differ) as one broadcastable factor."""
-    if len(blocks) == 1 and blocks[0].rows is None:
-        return sphere_scale(W, mode, _block_radius(blocks[0], mode, radius_scale), reducer)
-    if mode == "col":  # column norms of each row block: no single factor, so project the blocks in place
-        for blk in blocks:
-            part = get_block(W, blk)
-            set_block_(W, blk, part.mul_(sphere_scale(part, mode, None, reducer)))
-        return W.new_ones(())
-    if mode == "row":  # every row on its own unit sphere, whichever block it is in
-        return sphere_scale(W, mode, None, reducer)
-    if all(b.grouped is not None for b in blocks):  # flat: one pass for all row norms, summed per block
-        rows_sq = torch.linalg.vector_norm(W, dim=1).square_().unsqueeze(1)
-        out = torch.empty_like(rows_sq)
-        for blk in blocks:
-            sq = reducer.complete(block_view(rows_sq, blk).sum(), "all")
-            r = _block_radius(blk, mode, radius_scale)
-            view = block_view(out, blk)
-            view.copy_((r / sq.sqrt().clamp_min(_NORM_FLOOR)).expand(view.shape))  # no host sync
-        return out
-    out = W.new_empty(W.shape[0], 1)
-    for blk in blocks:
-        s = sphere_scale(get_block(W, blk), mode, _block_radius(blk, mode, radius_scale), reducer)
-        out.index_copy_(0, blk.rows, s.expand(blk.rows.numel(), 1) if s.ndim < 2 else s)
-    return out
-
-
-def project_blocks_(
-    W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer = LOCAL_REDUCER,
-    radius_scale: float = 1.0,
-) -> torch.Tensor:
-    """Project each block onto its own sphere in place."""
-    return W.mul_(blocks_sphere_scale(W, blocks, mode, reducer, radius_scale))
+# Gain algebra. A flat (per-matrix) gain travels as a 0-dim ``g_row``: it scales the whole matrix.
 
 
 def _scaled(t: torch.Tensor, row: MaybeTensor, col: MaybeTensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -278,9 +211,12 @@ def recover_direction(W: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -
 def gain_grads(
     G: torch.Tensor, W_hat: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor, reducer: Reducer = LOCAL_REDUCER
 ) -> tuple[MaybeTensor, MaybeTensor]:
-    """∂L/∂γ_r = rowsum(G ⊙ Ŵ ⊙ γ_cᵀ), ∂L/∂γ_c = colsum(G ⊙ Ŵ ⊙ γ_r) (before the φ' factor)."""
+    """∂L/∂γ_r = rowsum(G ⊙ Ŵ ⊙ γ_cᵀ), ∂L/∂γ_c = colsum(G ⊙ Ŵ ⊙ γ_r) (before the φ' factor); a flat gain
+    (0-dim ``g_row``): ∂L/∂γ = Σ G ⊙ Ŵ, shape ``[1]``."""
     GW = G * W_hat
     d_row = d_col = None
+    if g_row is not None and g_row.ndim == 0:
+        return reducer.sum_all(GW).reshape(1), None
     if g_row is not None:
         d_row = reducer.sum_over_cols(GW if g_col is None else GW * g_col.unsqueeze(0))
     if g_col is not None:
@@ -297,6 +233,8 @@ def gain_grads_fused(
     if g_row is None and g_col is None:
         return None, None, None
     GW = G * W
+    if g_row.ndim == 0 if g_row is not None else False:  # flat: Σ G ⊙ Ŵ = Σ G ⊙ W / γ
+        return reducer.sum_all(GW).div_(g_row).reshape(1), None, GW
     d_row = None if g_row is None else reducer.sum_over_cols(GW).div_(g_row)
     d_col = None if g_col is None else reducer.sum_over_rows(GW).div_(g_col)
     return d_row, d_col, GW
@@ -334,11 +272,13 @@ class BaseUpdate:
 
     In phases: ``direction`` (state update, may reuse Ĝ's memory), then, when ``orthogonalizes``, every block of
     the direction goes through msign elsewhere (an engine may batch it across matrices and ranks), then
-    ``descend_`` subtracts ``lr·U`` from Ŵ. ``update`` runs the three in one go.
+    ``descend_`` subtracts ``lr·U`` from Ŵ. ``update`` runs the three in one go. More bases: ``bases.py``.
     """
 
     orthogonalizes = False
     writes_direction_grad = False  # True: ``direction`` may overwrite Ĝ (the caller then hands it a copy)
+    has_step = False  # True: keeps its own step counter in ``state["step"]`` (bias corrections)
+    side_state: tuple[str, ...] = ()  # state entries not shaped like the parameter (checkpointed separately)
 
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
@@ -385,6 +325,8 @@ class MuonBase(BaseUpdate):
 class AdamBase(BaseUpdate):
     """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, §2.3 last paragraph)."""
 
+    has_step = True
+
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -406,24 +348,60 @@ class AdamBase(BaseUpdate):
 # Per-matrix state and the MD step in phases
 
 
-def init_md_state(p: torch.Tensor, state: dict, hp: MDHyperParams, base: BaseUpdate) -> None:
-    """Gains at exactly 1 (ρ0 = φ⁻¹(1)) with zero Adam moments, plus the base update's state."""
+def init_md_state(p: torch.Tensor, state: dict, hp: MDHyperParams, base: BaseUpdate,
+                  seed: tuple[MaybeTensor, MaybeTensor] | None = None) -> None:
+    """Gains at exactly 1 (ρ0 = φ⁻¹(1)), or at ``seed`` (``preserve_init``), with zero Adam moments, plus the
+    base update's state."""
     gp = gain_param(hp.gain_param, hp.gmin)
     m, n = p.shape
-    rho0 = gp.phi_inv(torch.ones((), dtype=torch.float32))
-    for axis, size in (("row", m), ("col", n)):
-        if hp.gains in ("rowcol", axis):
-            state[f"rho_{axis}"] = torch.full((size,), rho0.item(), dtype=torch.float32, device=p.device)
+    rho0 = gp.phi_inv(torch.ones((), dtype=torch.float32)).item()
+    mode = hp.gains_mode
+    for axis, size in (("row", m), ("col", n), ("flat", 1)):
+        if mode in ("rowcol", axis) and not (axis == "flat" and mode != "flat"):
+            state[f"rho_{axis}"] = torch.full((size,), rho0, dtype=torch.float32, device=p.device)
             state[f"exp_avg_{axis}"] = torch.zeros(size, dtype=torch.float32, device=p.device)
             state[f"exp_avg_sq_{axis}"] = torch.zeros(size, dtype=torch.float32, device=p.device)
+    for axis, g in zip(("flat" if mode == "flat" else "row", "col"), seed or (None, None)):
+        if g is not None:
+            state[f"rho_{axis}"].copy_(gp.phi_inv(g.to(torch.float32).reshape(-1)))
     state["gain_step"] = torch.tensor(0.0)
     base.init_state(p, state)
 
 
 def current_gains(state: dict, hp: MDHyperParams) -> tuple[MaybeTensor, MaybeTensor]:
-    """(γ_r, γ_c) = φ(ρ) from the state; None for an axis without gains."""
+    """(γ_r, γ_c) = φ(ρ) from the state; None for an axis without gains; a flat gain is a 0-dim γ_r."""
     gp = gain_param(hp.gain_param, hp.gmin)
+    if "rho_flat" in state:
+        return gp.phi(state["rho_flat"]).reshape(()), None
     return tuple(gp.phi(state[k]) if k in state else None for k in ("rho_row", "rho_col"))  # type: ignore
+
+
+def preserved_gains(W: torch.Tensor, blocks: list[Block], hp: MDHyperParams,
+                    reducer: Reducer = LOCAL_REDUCER) -> tuple[MaybeTensor, MaybeTensor]:
+    """``preserve_init``: gains that hold ``W``'s magnitudes so that ``W = γ ⊙ Π(W)`` stays the model's weight.
+
+    The sphere's factor ``s`` (``Π(W) = s ⊙ W``) is a scalar (flat), a row factor (row sphere; flat with Q/K/V
+    blocks) or a column factor (col sphere); the gains are ``1/s`` on the axis that can hold it (row gains win
+    for a scalar under ``rowcol``). Returns ``(γ_r or the flat γ, γ_c)``; the other axis stays at 1.
+    """
+    mode, gains = hp.sphere_mode, hp.gains_mode
+    if mode == "col" and len(blocks) > 1:
+        raise ValueError("preserve_init cannot hold per-block column norms of a fused QKV matrix in one column "
+                         "gain; use the flat or row sphere with preserve_init")
+    s = blocks_sphere_scale(W.to(torch.float32), blocks, mode, reducer, hp.radius_scale)
+    inv = s.reciprocal()
+    m, n = W.shape
+    if s.ndim == 0:
+        if gains == "flat":
+            return inv.reshape(1), None
+        if gains in ("rowcol", "row"):
+            return inv.expand(m).clone(), None
+        return None, inv.expand(n).clone()
+    axis = "row" if s.shape[1] == 1 else "col"
+    if gains not in ("rowcol", axis):
+        raise ValueError(f"preserve_init on the {mode} sphere keeps one norm per {axis}, which needs {axis} gains "
+                         f"(rowcol or {axis}); the group has gains={hp.gains!r}")
+    return (inv.reshape(-1), None) if axis == "row" else (None, inv.reshape(-1))
 
 
 def default_orthogonalize(hp: MDHyperParams) -> Orthogonalize:
@@ -441,7 +419,7 @@ class MDPrepared:
     """A matrix between the phases: its base direction (blocks awaiting msign for Muon) and gain gradients."""
 
     direction: torch.Tensor
-    d_row: MaybeTensor
+    d_row: MaybeTensor  # the flat gain's gradient when the gains are flat
     d_col: MaybeTensor
     blocks: list[Block]
 
@@ -464,7 +442,7 @@ def md_prepare(
     g_row, g_col = current_gains(state, hp)
     d_row, d_col, work = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer)
     if d_row is not None:
-        d_row.mul_(gp.phi_prime(state["rho_row"]))
+        d_row.mul_(gp.phi_prime(state["rho_flat" if "rho_flat" in state else "rho_row"]))
     if d_col is not None:
         d_col.mul_(gp.phi_prime(state["rho_col"]))
     # Ĝ in the gain product's buffer; without gains it is G itself, copied only for a base that writes in
@@ -472,8 +450,10 @@ def md_prepare(
     if work is not None:
         G_hat = scratch = _scaled(G, g_row, g_col, out=work)
     else:
-        G_hat = G.clone() if base.writes_direction_grad else G
+        G_hat = G.clone() if base.writes_direction_grad or (hp.tangent_grad and G is grad) else G
         scratch = G_hat if G_hat is not G else None
+    if hp.tangent_grad:  # --hs-p: only the part of Ĝ that turns Ŵ on its sphere
+        tangent_(G_hat, recover_direction(p.to(torch.float32), g_row, g_col), blocks, hp.sphere_mode, reducer)
     return MDPrepared(base.direction(G_hat, state, hp, scratch), d_row, d_col, blocks)
 
 
@@ -493,13 +473,19 @@ def md_finish_(
         W_hat = recover_direction(p.to(torch.float32), g_row, g_col)
     if hp.weight_decay:
         W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
-    base.descend_(W_hat, prep.direction, state, hp, prep.blocks, orthogonalized)
-    scale = blocks_sphere_scale(W_hat, prep.blocks, hp.sphere, reducer, hp.radius_scale)
+    if hp.normalize_update:  # --hs-u: the update itself on Ŵ's sphere, so the relative step is lr exactly
+        U = torch.zeros_like(W_hat)
+        base.descend_(U, prep.direction, state, dataclasses.replace(hp, lr=-1.0), prep.blocks, orthogonalized)
+        W_hat.sub_(project_blocks_(U, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale), alpha=hp.lr)
+    else:
+        base.descend_(W_hat, prep.direction, state, hp, prep.blocks, orthogonalized)
+    scale = blocks_sphere_scale(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
 
     if prep.d_row is not None or prep.d_col is not None:
         state["gain_step"] += 1
         step = state["gain_step"].item()
-        for axis, d in (("row", prep.d_row), ("col", prep.d_col)):
+        row_axis = "flat" if "rho_flat" in state else "row"
+        for axis, d in ((row_axis, prep.d_row), ("col", prep.d_col)):
             if d is None:
                 continue
             rho = state[f"rho_{axis}"]
@@ -512,7 +498,7 @@ def md_finish_(
     # Sphere and new gains in one write: W = diag(γ_r)·(s ⊙ Ŵ)·diag(γ_c); s is a scalar, a row or a column factor.
     row, col = g_row, g_col
     if scale.ndim == 2 and scale.shape[1] == 1:
-        row = scale if row is None else scale * row.unsqueeze(1)
+        row = scale if row is None else scale * (row.unsqueeze(1) if row.ndim == 1 else row)
     elif scale.ndim == 2:
         col = scale if col is None else scale * col.unsqueeze(0)
     elif row is not None:

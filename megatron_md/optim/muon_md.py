@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .bases import LionBase, SoapBase
 from .md import (
     LOCAL_REDUCER,
     AdamBase,
@@ -31,6 +32,7 @@ from .md import (
     matrix_params,
     md_finish_,
     md_prepare,
+    preserved_gains,
     project_blocks_,
     recover_direction,
     resolve_split_shapes,
@@ -48,6 +50,7 @@ class MDOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], defaults: dict, base: BaseUpdate):
         self.base = base  # set before super().__init__, which calls add_param_group
         self._blocks: dict[torch.Tensor, list[Block]] = {}
+        self._seeds: dict[torch.Tensor, tuple] = {}  # preserve_init gains awaiting a lazily made state
         super().__init__(params, defaults)
 
     # --- hooks for tensor-parallel glue -----------------------------------------------------------
@@ -75,10 +78,14 @@ class MDOptimizer(torch.optim.Optimizer):
                 self._init_param(p, hp, project=True, state=not self.lazy_state)
 
     def _init_param(self, p: torch.Tensor, hp: MDHyperParams, project: bool, state: bool = True) -> None:
-        if project:
-            project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere, self.reducer_for(p), hp.radius_scale)
+        """``project``: put ``p`` on its sphere (or, with ``preserve_init``, keep ``p`` and put its magnitudes
+        in the gains); ``state``: make the optimizer state now (else on the first step)."""
+        if project and hp.preserve_init:
+            self._seeds[p] = preserved_gains(p.data, self._param_blocks(p, hp), hp, self.reducer_for(p))
+        elif project:
+            project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere_mode, self.reducer_for(p), hp.radius_scale)
         if state and not self.state.get(p):
-            init_md_state(p, self.state[p], hp, self.base_for(hp))
+            init_md_state(p, self.state[p], hp, self.base_for(hp), self._seeds.pop(p, None))
 
     def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> list[Block]:
         blocks = self._blocks.get(p)
@@ -176,6 +183,7 @@ class MuonMD(MDOptimizer):
         gmin: float = 1e-5,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         base: BaseUpdate | None = None,
+        **options,
     ):
         if lr < 0 or gains_lr < 0:
             raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
@@ -186,7 +194,7 @@ class MuonMD(MDOptimizer):
             ns_coefficients=ns_coefficients, scale_mode=scale_mode, sphere=sphere, gains=gains,
             gain_param=gain_param, weight_decay=weight_decay, gains_betas=tuple(gains_betas),
             gains_eps=gains_eps, gains_weight_decay=gains_weight_decay, gmin=gmin,
-            qkv_split_shapes=qkv_split_shapes,
+            qkv_split_shapes=qkv_split_shapes, **md_options(options),
         )
         super().__init__(params, defaults, base if base is not None else MuonBase())
 
@@ -215,6 +223,7 @@ class AdamMD(MDOptimizer):
         gmin: float = 1e-5,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         base: BaseUpdate | None = None,
+        **options,
     ):
         if lr < 0 or gains_lr < 0:
             raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
@@ -224,5 +233,45 @@ class AdamMD(MDOptimizer):
             gains_betas=tuple(gains_betas if gains_betas is not None else betas),
             gains_eps=eps if gains_eps is None else gains_eps,
             gains_weight_decay=gains_weight_decay, gmin=gmin, qkv_split_shapes=qkv_split_shapes,
+            **md_options(options),
         )
         super().__init__(params, defaults, base if base is not None else AdamBase())
+
+
+class LionMD(MDOptimizer):
+    """MD decoupling with a Lion base: the sign of the interpolated momentum, scaled by ``1/sqrt(min(m, n))``
+    per block so that, like MuonMD, the direction turns by ``lr`` per step on the flat sphere."""
+
+    def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.99), *, gains_betas: tuple[float, float] = (0.9, 0.99),
+                 gains_eps: float = 1e-8, **options):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        defaults = dict(lr=lr, gains_lr=gains_lr, lion_betas=tuple(betas), gains_betas=tuple(gains_betas),
+                        gains_eps=gains_eps, **md_options(options))
+        super().__init__(params, defaults, LionBase())
+
+
+class SoapMD(MDOptimizer):
+    """MD decoupling with a SOAP base (emerging-optimizers' Kronecker factors and eigenbasis, Adam inside)."""
+
+    def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, shampoo_beta: float = 0.95,
+                 *, gains_betas: tuple[float, float] = (0.9, 0.99), gains_eps: float = 1e-8, **options):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        defaults = dict(lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, soap_shampoo_beta=shampoo_beta,
+                        gains_betas=tuple(gains_betas), gains_eps=gains_eps, **md_options(options))
+        super().__init__(params, defaults, SoapBase())
+
+
+OPTIONS = ("sphere", "gains", "gain_param", "gmin", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
+           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update")
+
+
+def md_options(options: dict) -> dict:
+    """The MD options every optimizer here takes by keyword (``OPTIONS``); anything else is a typo."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown MD option(s) {unknown}; the options are {OPTIONS}")
+    return options

@@ -1,0 +1,103 @@
+"""More base updates for MD decoupling, beside ``md.MuonBase`` and ``md.AdamBase``: Lion and SOAP.
+
+A base turns the direction gradient Ĝ into the update U of ``Ŵ <- Π(Ŵ - lr·U)`` (``md.BaseUpdate``). The MD
+paper's research branch ran Lion among its bases; SOAP comes from NVIDIA's emerging-optimizers (its Kronecker
+factors, eigenbasis refresh and projections), the optimizer family megatron-core's own Muon is taken from.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .adam import adam_direction
+from .blocks import Block, add_block_, get_block
+from .md import AdamBase, BaseUpdate, MDHyperParams, MuonBase
+
+
+def sign_scale(block_shape: tuple[int, int]) -> float:
+    """``1/sqrt(min(m, n))``: a full sign matrix then has Frobenius norm ``sqrt(max(m, n))``, the flat sphere's
+    radius, so an MD-Lion step turns Ŵ by ``lr`` like MD-Muon's ``shape_up`` (one LR meaning for both)."""
+    return 1.0 / math.sqrt(min(block_shape))
+
+
+class LionBase(BaseUpdate):
+    """Lion on Ĝ (Chen et al. 2023): ``U = sign(lerp(M, Ĝ, 1-β1))``, then ``M <- lerp(M, Ĝ, 1-β2)``; each block's
+    sign matrix is scaled by ``sign_scale`` of its global shape."""
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        b1, b2 = hp.lion_betas
+        m = state["exp_avg"]
+        # the momentum update still reads Ĝ, so the sign goes to a scratch buffer only if that is not Ĝ's own
+        free = scratch is not None and scratch.data_ptr() != g_hat.data_ptr()
+        u = torch.lerp(m, g_hat, 1.0 - b1, out=scratch) if free else torch.lerp(m, g_hat, 1.0 - b1)
+        m.lerp_(g_hat, 1.0 - b2)
+        return u.sign_()
+
+    def descend_(self, W_hat, direction, state, hp, blocks: Sequence[Block], orthogonalized) -> None:
+        for blk in blocks:
+            add_block_(W_hat, blk, get_block(direction, blk), -hp.lr * sign_scale(blk.shape))
+
+
+class SoapBase(BaseUpdate):
+    """SOAP (Vyas et al. 2024) on Ĝ: Adam in the eigenbasis of Shampoo's Kronecker factors ``L = E[ĜĜᵀ]``,
+    ``R = E[ĜᵀĜ]``. The factors, the eigenbasis refresh (``eigh`` on the first step, one power iteration + QR
+    after) and the projections are emerging-optimizers'; the inner Adam is ours (bias-corrected, as theirs).
+
+    Whole matrices only: ``L`` and ``R`` need the full Ĝ, so tensor-parallel shards are refused by the glue.
+    No scale factor (like the Adam base); ``normalize_update`` puts U on the sphere if wanted.
+    """
+
+    has_step = True
+    side_state = ("soap_L", "soap_R", "soap_QL", "soap_QR")
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        from emerging_optimizers.soap.soap import init_kronecker_factors
+
+        m, n = p.shape
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["soap_L"], state["soap_R"] = init_kronecker_factors(p.shape, device=p.device)
+        state["soap_QL"] = torch.eye(m, device=p.device)
+        state["soap_QR"] = torch.eye(n, device=p.device)
+        state["step"] = torch.tensor(0.0)
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        from emerging_optimizers.soap.soap import (
+            precondition,
+            update_eigenbasis_and_exp_avgs,
+            update_kronecker_factors,
+        )
+
+        first = state["step"].item() == 0
+        state["step"] += 1
+        t = state["step"].item()
+        beta = hp.soap_shampoo_beta
+        beta = 1.0 - (1.0 - beta) / (1.0 - beta**t)  # bias-corrected EMA of the factors (emerging-optimizers' default)
+        update_kronecker_factors([state["soap_L"], state["soap_R"]], g_hat, beta)
+        bases, exp_avg, exp_avg_sq = update_eigenbasis_and_exp_avgs(
+            [state["soap_L"], state["soap_R"]], [state["soap_QL"], state["soap_QR"]],
+            exp_avg_sq=state["exp_avg_sq"], exp_avg=state["exp_avg"], use_eigh=first, power_iter_steps=1,
+        )
+        # keep the state's tensors (megatron's optimizer wrappers hold references to them)
+        for key, new in (("soap_QL", bases[0]), ("soap_QR", bases[1]), ("exp_avg", exp_avg),
+                         ("exp_avg_sq", exp_avg_sq)):
+            if new is not state[key]:
+                state[key].copy_(new)
+        Q = [state["soap_QL"], state["soap_QR"]]
+        rotated = precondition(g_hat, Q, dims=[[0], [0]])
+        update = adam_direction(rotated, state["exp_avg"], state["exp_avg_sq"], t, hp.betas, hp.eps)
+        return precondition(update, Q, dims=[[0], [1]])
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+        W_hat.add_(direction, alpha=-hp.lr)
+
+
+BASES = {"muon": MuonBase, "adam": AdamBase, "lion": LionBase, "soap": SoapBase}
