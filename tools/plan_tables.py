@@ -60,10 +60,10 @@ def plan_markdown(result: dict) -> str:
     row("parameters (bf16)", dev("params"))
     row("gradients (fp32 buffers)", dev("grads"))
     row("fp32 master weights", dev("master_weights"))
-    for kind in ("adam_moments", "muon_momentum", "md_gains", "manifold_duals"):
-        if any(rows[n]["plan"]["per_device"]["optimizer_state_by_kind"][kind] for n in names):
+    for kind in ("adam_moments", "muon_momentum", "md_gains", "manifold_duals", "soap_factors"):
+        if any(rows[n]["plan"]["per_device"]["optimizer_state_by_kind"].get(kind) for n in names):
             row(f"optimizer: {kind.replace('_', ' ')}",
-                lambda p, k=kind: _gib(p["per_device"]["optimizer_state_by_kind"][k]))
+                lambda p, k=kind: _gib(p["per_device"]["optimizer_state_by_kind"].get(k, 0)))
     row("activations (configured recompute)",
         lambda p: f"{_gib(p['per_device']['activations'][p['per_device']['recompute']])} "
                   f"({p['per_device']['recompute']})")

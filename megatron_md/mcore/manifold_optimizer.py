@@ -269,7 +269,8 @@ def manifold_param_overrides(config: ManifoldOptimizerConfig, policy: GeometryPo
     """One group per role, tagged with its geometry (MD roles reuse the MD routing's settings)."""
     md = {}
     for key, value in md_param_overrides(config).items():
-        md[value.get("md_role", "embedding")] = value
+        if not value.get("out_proj"):  # groups here are per role; validate.py refuses out-projection options
+            md[value.get("md_role", "embedding")] = value
     lr, min_ratio = config.lr, (config.min_lr / config.lr if config.lr else 0.0)
     matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
     out = {}

@@ -4,8 +4,10 @@ megatron-core checkpoints optimizer state only when it has its parameter's shape
 vectors (and their Adam moments) do not. They are saved here as their own ShardedTensors,
 keyed by each matrix's canonical name (global layer and expert index), so any layout can load
 them: ``md/<name>/row`` is ``[3, M]`` (ρ, Adam m, Adam v), ``md/<name>/col`` is ``[3, N]``,
-sharded along the matrix's TP axis. SwiGLU fc1 rows are stored as ``[3, 2, M/2]`` (gate, up)
-so the layout does not depend on how TP interleaves the two halves.
+sharded along the matrix's TP axis; a flat gain is ``md/<name>/flat``, ``[3, 1]``. SwiGLU fc1 rows are
+stored as ``[3, 2, M/2]`` (gate, up) so the layout does not depend on how TP interleaves the two halves.
+Whole-matrix side state (Manifold Muon's duals, SOAP's Kronecker factors and eigenbases) is saved
+replicated across TP.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from megatron.core.utils import unwrap_model
 from megatron_md.mcore import naming
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
 from megatron_md.mcore.optimizer_checkpoint import children
+from megatron_md.optim.bases import SoapBase
 
 DUAL_KEYS = ("dual", "dual_q", "dual_k", "dual_v")
+# whole-matrix state kept by every TP rank alike, and its checkpoint prefix
+FULL_KEYS = {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in SoapBase.side_state}}
 
 
 def tag_md_params(model) -> None:
@@ -77,7 +82,8 @@ def _axis_tensor(p, state, axis: str, layer_wise: bool, loading: bool) -> Sharde
     if loading:
         data = torch.empty_like(data)
     tp_rank, tp_size = _tp(p)
-    sharded = getattr(p, "tensor_model_parallel", False) and p.partition_dim == (0 if axis == "row" else 1)
+    sharded = (axis != "flat" and getattr(p, "tensor_model_parallel", False)
+               and p.partition_dim == (0 if axis == "row" else 1))
     dp = 0 if layer_wise else _dp_rank(p)
     key = f"md/{p.md_key}/{axis}"
     split_axis = 1
@@ -98,17 +104,17 @@ def md_sharded_state(optimizer, *, loading: bool = False, layer_wise: bool = Fal
                 key = getattr(p, "md_key", None)
                 if key is None:
                     continue
-                for name in DUAL_KEYS:  # Manifold Muon warm-start duals: full-matrix, TP-replicated
+                for name, prefix in FULL_KEYS.items():  # Manifold Muon's duals, SOAP's factors: TP-replicated
                     if name in state:
                         tp_rank, _ = _tp(p)
                         t = state[name]
                         out[f"{key}/{name}"] = ShardedTensor.from_rank_offsets(
-                            f"mm/{key}/{name}", torch.empty_like(t) if loading else t,
+                            f"{prefix}/{key}/{name}", torch.empty_like(t) if loading else t,
                             replica_id=(tp_rank, 0 if layer_wise else _dp_rank(p)),
                         )
                 if "gain_step" not in state:
                     continue
-                for axis in ("row", "col"):
+                for axis in ("row", "col", "flat"):
                     if f"rho_{axis}" in state:
                         out[f"{key}/{axis}"] = _axis_tensor(p, state, axis, layer_wise, loading)
                 tp_rank, _ = _tp(p)
@@ -134,12 +140,12 @@ def load_md_state(optimizer, loaded: dict) -> int:
                 state = opt.state.get(p)
                 if key is None or not state:
                     continue
-                for name in DUAL_KEYS:
+                for name in FULL_KEYS:
                     if f"{key}/{name}" in loaded and name in state:
                         state[name].copy_(loaded[f"{key}/{name}"])
                 if f"{key}/step" not in loaded:
                     continue
-                for axis in ("row", "col"):
+                for axis in ("row", "col", "flat"):
                     if f"{key}/{axis}" in loaded:
                         data = loaded[f"{key}/{axis}"].reshape(3, -1)
                         for i, name in enumerate(("rho", "exp_avg", "exp_avg_sq")):

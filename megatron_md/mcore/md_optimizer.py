@@ -1,11 +1,12 @@
 """MuonMD / AdamMD inside megatron-core: registry entries, parameter routing, TP/EP hooks.
 
-``--optimizer muon_md`` / ``adam_md`` are registered in megatron-core's emerging-optimizer
-registry, so they ride on its param groups, bf16 master weights, chained and layer-wise
+``--optimizer muon_md`` / ``adam_md`` / ``lion_md`` / ``soap_md`` are registered in megatron-core's
+emerging-optimizer registry, so they ride on its param groups, bf16 master weights, chained and layer-wise
 distributed optimizers. Routing (ALGORITHMS.md §2.4):
 
 - hidden matrices (QKV split per Q/K/V block, proj, fc1, fc2, each expert's own matrices):
-  MD with the base update (Muon or Adam), flat sphere, row+col gains, ``--matrix-lr``;
+  MD with the base update (Muon, Adam, Lion or SOAP), flat sphere, row+col gains, ``--matrix-lr``
+  (out-projections in their own group when ``embed`` or ``--md-out-proj-radius`` needs to tell them apart);
 - MoE router: MD-Muon on the row sphere with Keller Jordan's scale (unit-norm rows);
 - word embedding: row sphere, no gains, Adam, ``--embedding-lr``;
 - LM head: row sphere, ``--md-output-gains``, Adam, ``--lr``;
@@ -29,13 +30,16 @@ from megatron.core.tensor_parallel import layers as tp_layers
 
 from megatron_md.mcore import naming
 from megatron_md.optim import adam
-from megatron_md.optim.md import AdamBase, MDHyperParams, MuonBase
+from megatron_md.optim.bases import BASES
+from megatron_md.optim.md import GAIN_AXES, MDHyperParams
 from megatron_md.optim.muon_md import MDOptimizer
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
 
-GAIN_KEYS = ("rho_row", "rho_col", "exp_avg_row", "exp_avg_sq_row", "exp_avg_col", "exp_avg_sq_col", "gain_step")
-MD_OPTIMIZERS = ("muon_md", "adam_md")
+GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
+# state that does not have its parameter's shape: megatron's checkpoint cannot hold it (md_checkpoint.py does)
+SIDE_KEYS = GAIN_KEYS + tuple(k for b in BASES.values() for k in b.side_state)
+MD_OPTIMIZERS = {"muon_md": "muon", "adam_md": "adam", "lion_md": "lion", "soap_md": "soap"}  # name -> base
 
 # Attributes our tagging sets on model params; registered so megatron copies them onto the fp32
 # master params it makes for bf16 training (only keys of this dict survive that copy).
@@ -64,6 +68,12 @@ class MDOptimizerConfig(OptimizerConfig):
     md_num_layers: int = 1
     md_ns_per_matrix: bool = False
     md_compile: str = "auto"
+    md_preserve_init: bool = False
+    md_tangent_grad: bool = False
+    md_normalize_update: bool = False
+    lion_beta1: float = 0.9
+    lion_beta2: float = 0.99
+    soap_shampoo_beta: float = 0.95
 
 
 NS_TP_MODES = ("layer_sharded", "duplicated")
@@ -106,8 +116,15 @@ class MegatronMD(MDOptimizer):
         adam.set_compile(config.md_compile)
         self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md_ns_per_matrix)
         self._kernels: dict[tuple, object] = {}
-        self._bases = {"muon": MuonBase(), "adam": AdamBase()}
+        self._bases = {name: cls() for name, cls in BASES.items()}
         self._reducers: dict[int, ShardedReducer] = {}
+        if config.md_base == "soap" and pg_collection is not None:
+            sizes = [g.size() for g in (getattr(pg_collection, "tp", None), getattr(pg_collection, "expt_tp", None))
+                     if g is not None]
+            if max(sizes, default=1) > 1:
+                raise ValueError("soap_md keeps Kronecker factors of whole matrices, so it does not run on "
+                                 "tensor-parallel shards; use --tensor-model-parallel-size 1 (and "
+                                 "--expert-tensor-parallel-size 1) or another MD base")
         betas = (config.adam_beta1, config.adam_beta2)
         defaults = dict(
             lr=config.lr, gains_lr=config.gains_lr, gains_max_lr=config.gains_lr,
@@ -116,7 +133,9 @@ class MegatronMD(MDOptimizer):
             scale_mode=config.md_scale_mode, sphere=config.md_sphere, gains=config.md_gains,
             gain_param=config.md_gain_param, weight_decay=config.weight_decay,
             gains_betas=betas, gains_eps=config.adam_eps, betas=betas, eps=config.adam_eps,
-            md_base=config.md_base,
+            md_base=config.md_base, lion_betas=(config.lion_beta1, config.lion_beta2),
+            soap_shampoo_beta=config.soap_shampoo_beta, tangent_grad=config.md_tangent_grad,
+            normalize_update=config.md_normalize_update,
         )
         super().__init__(params, defaults, self._bases[config.md_base])
 
@@ -196,18 +215,18 @@ class MegatronMD(MDOptimizer):
         # travel separately (mcore/md_checkpoint.py).
         self.drop_unowned_state()
         sd = super().state_dict()
-        sd["state"] = {i: {k: v for k, v in s.items() if k not in GAIN_KEYS} for i, s in sd["state"].items()}
+        sd["state"] = {i: {k: v for k, v in s.items() if k not in SIDE_KEYS} for i, s in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict):
-        kept = {p: {k: v for k, v in s.items() if k in GAIN_KEYS} for p, s in self.state.items()}
+        kept = {p: {k: v for k, v in s.items() if k in SIDE_KEYS} for p, s in self.state.items()}
         super().load_state_dict(state_dict)
         for p, gains in kept.items():
             self.state[p].update(gains)
-        # megatron hands every parameter the optimizer's common Adam step on load; only an Adam base
-        # keeps one (else it would be saved, and the checkpoint's keys would change across a resume).
+        # megatron hands every parameter the optimizer's common Adam step on load; only a base with a step
+        # (Adam, SOAP) keeps one (else it would be saved, and the checkpoint's keys would change across a resume).
         for group in self.param_groups:
-            if not isinstance(self.base_for(MDHyperParams.from_group(group)), AdamBase):
+            if not self.base_for(MDHyperParams.from_group(group)).has_step:
                 for p in group["params"]:
                     self.state.get(p, {}).pop("step", None)
 
@@ -221,7 +240,7 @@ def refuse_packed_experts(model_chunks, optimizer: str) -> None:
 
 
 def _config_to_kwargs(config, model_chunks, pg_collection):
-    refuse_packed_experts(model_chunks, "adam_md" if config.md_base == "adam" else "muon_md")
+    refuse_packed_experts(model_chunks, f"{config.md_base}_md")
     return {"config": config, "pg_collection": pg_collection}
 
 
@@ -241,7 +260,7 @@ def routes_to_adamw(config: MDOptimizerConfig):
 
 
 def register(config: MDOptimizerConfig | None = None) -> None:
-    """Add muon_md and adam_md to megatron-core's optimizer registry (idempotent)."""
+    """Add the MD optimizers (``MD_OPTIMIZERS``) to megatron-core's optimizer registry (idempotent)."""
     config = config or MDOptimizerConfig()
     routed = ParamKey(predicate=ParamPredicate(name="md_adamw", fn=routes_to_adamw(config)))
     for name in MD_OPTIMIZERS:
@@ -267,15 +286,17 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
 
     matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
     embedding_lr = config.embedding_lr if config.embedding_lr is not None else lr
-    out_proj = config.md_out_proj_radius
+    # out-projections get their own group when something differs for them: the 1/sqrt(2L) radius, or "embed"
+    out_proj = config.md_out_proj_radius or "embed" in (config.md_sphere, config.md_gains)
     hidden = ParamKey(predicate=ParamPredicate(
         name=f"md_hidden{'_no_out' if out_proj else ''}", fn=lambda p: _is_hidden_matrix(p) and not (out_proj and _is_out_proj(p))
     ))
+    keep = {"preserve_init": True} if config.md_preserve_init else {}  # hidden matrices only: they have gains
     router = ParamKey(name="*router.weight")
     embedding = ParamKey(name="*word_embeddings.weight")
     output = ParamKey(name="*output_layer.weight")
     out = {
-        hidden: {**band(matrix_lr, "hidden"), "md_role": "hidden"},
+        hidden: {**band(matrix_lr, "hidden"), "md_role": "hidden", **keep},
         router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md_router_sphere,
                  "scale_mode": "shape_scaling", "md_base": "muon"},
     }
@@ -283,8 +304,8 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
         # Paper option: out-projections live on a sphere of radius sqrt(max(m,n))/sqrt(2L) and
         # their Muon update shrinks by the same factor (ALGORITHMS.md §2.2).
         key = ParamKey(predicate=ParamPredicate(name="md_out_proj", fn=lambda p: _is_hidden_matrix(p) and _is_out_proj(p)))
-        out[key] = {**band(matrix_lr, "out_proj"), "md_role": "hidden",
-                    "radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5}
+        radius = {"radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5} if config.md_out_proj_radius else {}
+        out[key] = {**band(matrix_lr, "out_proj"), "md_role": "hidden", "out_proj": True, **radius, **keep}
     if config.md_embedding_sphere != "none":
         out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md_embedding_sphere,
                           "gains": "none", "md_base": "adam"}
@@ -309,11 +330,14 @@ def _is_out_proj(p: torch.Tensor) -> bool:
 def optimizer_config_kwargs(o) -> dict:
     """MDOptimizerConfig fields from our OptimConfig section."""
     return dict(
-        md_base="adam" if o.optimizer == "adam_md" else "muon",
+        md_base=MD_OPTIMIZERS.get(o.optimizer, "muon"),
         matrix_lr=o.matrix_lr, embedding_lr=o.embedding_lr, gains_lr=o.gains_lr,
         md_sphere=o.md_sphere, md_gains=o.md_gains, md_gain_param=o.md_gain_param,
         md_scale_mode=o.md_scale_mode, md_ns_coefficients=o.md_ns_coefficients,
         md_embedding_sphere=o.md_embedding_sphere, md_output_sphere=o.md_output_sphere,
         md_output_gains=o.md_output_gains, md_router_sphere=o.md_router_sphere,
         md_out_proj_radius=o.md_out_proj_radius, md_ns_per_matrix=o.md_ns_per_matrix, md_compile=o.md_compile,
+        md_preserve_init=o.md_preserve_init, md_tangent_grad=o.md_tangent_grad,
+        md_normalize_update=o.md_normalize_update, lion_beta1=o.lion_beta1, lion_beta2=o.lion_beta2,
+        soap_shampoo_beta=o.soap_shampoo_beta,
     )

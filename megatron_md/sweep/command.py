@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
                    "[default: runs/lr-sweep].")
     p.add_argument("--corpus", metavar="DIR", help="Train on the embedded Python-docs corpus, tokenised into DIR "
                    "on first use (adds --data-path and --tokenizer-model to every cell).")
+    p.add_argument("--corpus-vocab", type=int, default=4096, metavar="N",
+                   help="--corpus: SentencePiece vocabulary size of its tokenizer [default: 4096].")
     p.add_argument("--widths", required=True, help="Comma-separated --hidden-size values (heads = width / "
                    "--kv-channels, FFN = ratio x width).")
     p.add_argument("--optimizers", default="adamw,muon,muon_md", help="Comma-separated: " + ", ".join(G.RECIPES)
@@ -83,7 +85,10 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
             raise G.GridError(f"--corpus and {given[0]} after '--' both choose the data; keep one")
         from megatron_md.training.data import prepare_demo_data
 
-        prefix, tokenizer = prepare_demo_data(Path(a.corpus), log=None)
+        vocab = getattr(a, "corpus_vocab", 4096)
+        if not 64 <= vocab <= 65536:
+            raise G.GridError(f"--corpus-vocab must be in [64, 65536], got {vocab}")
+        prefix, tokenizer = prepare_demo_data(Path(a.corpus), vocab_size=vocab, log=None)
         extra = ["--data-path", prefix, "--tokenizer-model", tokenizer, *extra]
     optimizers = G.parse_optimizers(a.optimizers)
     G.check_extra(extra, optimizers)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_md.sweep.grid import RECIPES, SweepSpec, lr_of_k
+from megatron_md.training.config import MD_OPTIMIZERS
 
 ROLES = ["attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2"]
 COLUMNS = ["optimizer", "width", "lr", "layer", "step", "act_rms", "act_delta_rms", "rel_update",
@@ -107,7 +108,7 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
     vocab = vocab_size_for(cfg, tok)
     model, _ = build_wrapped_model(cfg, vocab, cpu=rt.name == "cpu")
     optimizer, scheduler = build_optimizer(cfg, model)
-    if cfg.optimizer.optimizer in ("muon_md", "adam_md", "manifold_muon"):
+    if cfg.optimizer.optimizer in (*MD_OPTIMIZERS, "manifold_muon"):
         from megatron_md.mcore.md_checkpoint import sync_model_params
 
         sync_model_params(optimizer)

@@ -6,6 +6,7 @@ LR ladder (the MD paper's): ``lr_k = 1e-3 * 2^(k/2)``. Which flag carries the sw
 | adamw           | adam            | --lr           | -                                                     |
 | muon            | muon            | --lr           | - (megatron-core's Muon: --lr drives the Muon matrices *and* the Adam part) |
 | muon_md/adam_md | muon_md/adam_md | --matrix-lr    | --lr 1e-3, --embedding-lr 3e-3 (paper)                |
+| lion_md/soap_md | lion_md/soap_md | --matrix-lr    | --lr 1e-3, --embedding-lr 3e-3 (as MD's)              |
 | manifold_muon   | manifold_muon   | --matrix-lr    | --lr 6e-4 (paper B's AdamW LR)                        |
 """
 
@@ -46,13 +47,16 @@ class Recipe:
 
 # k centres: adamw, muon, muon_md are optima measured at CPU scale (tiny-dense family, d 64-256):
 # adamw 3e-3..1e-2 -> k 5 (5.66e-3), muon ~0.02 -> k 9 (2.26e-2), muon_md 0.05-0.1 -> k 12 (6.4e-2).
-# adam_md (k 2, 2e-3) and manifold_muon (k 9, paper B's 0.02) are the papers' values, not measured here.
+# adam_md (k 2, 2e-3) and manifold_muon (k 9, paper B's 0.02) are the papers' values, not measured here;
+# lion_md takes muon_md's centre (its update is scaled to the same relative step), soap_md adam_md's (no scale).
 # Warmup / weight decay as the papers: AdamW and Muon warm up and decay weights, MD needs neither.
 RECIPES: dict[str, Recipe] = {
     "adamw": Recipe("adam", "lr", 5, 0.1, 0.1),
     "muon": Recipe("muon", "lr", 9, 0.1, 0.1),
     "muon_md": Recipe("muon_md", "matrix_lr", 12, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
     "adam_md": Recipe("adam_md", "matrix_lr", 2, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
+    "lion_md": Recipe("lion_md", "matrix_lr", 12, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
+    "soap_md": Recipe("soap_md", "matrix_lr", 2, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
     "manifold_muon": Recipe("manifold_muon", "matrix_lr", 9, 0.02, 0.1, {"lr": 6e-4}),
 }
 ALIASES = {"adam": "adamw"}  # the project's `adam` is AdamW (decoupled weight decay)

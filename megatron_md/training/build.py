@@ -20,7 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from megatron_md.models.builder import build_model, padded_vocab_size
-from megatron_md.training.config import RunConfig
+from megatron_md.training.config import MD_OPTIMIZERS, RunConfig
 from megatron_md.training.validate import data_parallel_size, validate_config
 
 
@@ -134,7 +134,7 @@ def matrix_optimizer_routing(cfg: RunConfig):
     from megatron.core.optimizer.layer_wise_optimizer import is_managed_by_layer_wise_optimizer
 
     name = cfg.optimizer.optimizer
-    if name in ("muon_md", "adam_md"):
+    if name in MD_OPTIMIZERS:
         from megatron_md.mcore import md_optimizer as mdo
 
         to_adamw = mdo.routes_to_adamw(mdo.MDOptimizerConfig(**mdo.optimizer_config_kwargs(cfg.optimizer)))
@@ -201,7 +201,7 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         overrides = {**get_standard_config_overrides(ocfg), **mm.manifold_param_overrides(ocfg, policy)}
         optimizer = get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides)
         optimizer.megatron_md_policy = policy
-    elif o.optimizer in ("muon_md", "adam_md"):
+    elif o.optimizer in MD_OPTIMIZERS:
         from megatron.core.optimizer import get_standard_config_overrides
 
         from megatron_md.mcore import md_optimizer as mdo

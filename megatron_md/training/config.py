@@ -127,9 +127,9 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     optimizer: str = opt(
-        "adam", "Optimizer: adam, megatron-core's muon, MD decoupling (muon_md, adam_md), or "
-        "module-wise Manifold Muon (manifold_muon, with --geometry).",
-        ["adam", "muon", "muon_md", "adam_md", "manifold_muon"],
+        "adam", "Optimizer: adam, megatron-core's muon, MD decoupling with a Muon, Adam, Lion or SOAP base "
+        "(muon_md, adam_md, lion_md, soap_md), or module-wise Manifold Muon (manifold_muon, with --geometry).",
+        ["adam", "muon", "muon_md", "adam_md", "lion_md", "soap_md", "manifold_muon"],
     )
     lr: float = opt(3e-4, "Peak learning rate (1-D params and LM head; all params for adam/muon).")
     min_lr: float = opt(0.0, "Final learning rate.")
@@ -169,9 +169,22 @@ class OptimConfig:
     matrix_lr: Optional[float] = opt(None, "MD: peak LR of hidden matrices (the angular step; default --lr).")
     embedding_lr: Optional[float] = opt(None, "MD: peak LR of the word embedding (default --lr).")
     gains_lr: float = opt(1e-3, "MD: peak LR of the row/column gains (Adam on raw gains).")
-    md_sphere: str = opt("flat", "MD: sphere of hidden matrices.", ["flat", "row", "col"])
-    md_gains: str = opt("rowcol", "MD: gains of hidden matrices.", ["rowcol", "row", "col", "none"])
-    md_gain_param: str = opt("softplus", "MD: gain parametrisation.", ["softplus", "direct", "exp"])
+    md_sphere: str = opt("flat", "MD: sphere of hidden matrices (embed: row, column for out-projections).",
+                         ["flat", "row", "col", "embed"])
+    md_gains: str = opt("rowcol", "MD: gains of hidden matrices (flat: one per matrix; embed: row, column for "
+                        "out-projections).", ["rowcol", "row", "col", "flat", "embed", "none"])
+    md_gain_param: str = opt("softplus", "MD: gain parametrisation gamma = phi(rho): softplus, direct (rho, floored "
+                             "at 1e-5), offset (1 + rho), exp.", ["softplus", "direct", "offset", "exp"])
+    md_preserve_init: bool = opt(
+        False, "MD: keep the initial weights: hidden matrices are not projected; their norms go into the gains.")
+    md_tangent_grad: bool = opt(
+        False, "MD: drop the direction gradient's radial component before the base update (the authors' --hs-p).")
+    md_normalize_update: bool = opt(
+        False, "MD: put the base update on the direction's sphere before the step, so the relative step is the "
+        "LR exactly (the authors' --hs-u).")
+    lion_beta1: float = opt(0.9, "lion_md: beta1 (the sign's interpolation).")
+    lion_beta2: float = opt(0.99, "lion_md: beta2 (the momentum's EMA).")
+    soap_shampoo_beta: float = opt(0.95, "soap_md: EMA of the Kronecker factors (inner Adam: --adam-beta1/2).")
     md_scale_mode: str = opt(
         "shape_up", "MD-Muon update scale (shape_up: relative update = LR).",
         ["shape_up", "spectral", "unit_rms_norm", "shape_scaling", "none"],
@@ -488,7 +501,8 @@ def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict) -> RunCo
     return cfg
 
 
-MD_RECIPE_OPTIMIZERS = ("muon_md", "adam_md")
+MD_OPTIMIZERS = ("muon_md", "adam_md", "lion_md", "soap_md")  # MD decoupling, by base update
+MD_RECIPE_OPTIMIZERS = MD_OPTIMIZERS
 MD_RECIPE = {"weight_decay": 0.0, "lr_warmup_iters": 0, "lr_decay_style": "linear", "clip_grad": 1.0}
 
 

@@ -263,6 +263,7 @@ def weight_diagnostics(model, optimizer) -> dict[str, float]:
             out[f"diag/{lab}/{k}"] = v
         for axis, g in zip(("row", "col"), gains.get(key, (None, None))):
             if g is not None:  # local shard's gains: enough for a trend
+                axis = "flat" if g.ndim == 0 else axis  # one gain per matrix
                 out[f"diag/{lab}/gain_{axis}_mean"] = g.mean().item()
                 out[f"diag/{lab}/gain_{axis}_max"] = g.max().item()
     return out

@@ -149,27 +149,32 @@ def inventory(cfg, lay: Layout, stage: int) -> list[Tensor]:
 
 def _gain_elems(shape: tuple, gains: str) -> int:
     rows, cols = shape
-    return {"rowcol": rows + cols, "row": rows, "col": cols, "none": 0}[gains]
+    # "embed" is row gains, column gains on out-projections: the larger of the two bounds it
+    return {"rowcol": rows + cols, "row": rows, "col": cols, "flat": 1, "embed": max(rows, cols), "none": 0}[gains]
 
 
 def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
     """Bytes of optimizer state by kind for ``tensors`` (unsharded over DP), as the optimizers allocate it."""
     o = cfg.optimizer
-    kinds = {"adam_moments": 0, "muon_momentum": 0, "md_gains": 0, "manifold_duals": 0}
+    kinds = {"adam_moments": 0, "muon_momentum": 0, "md_gains": 0, "manifold_duals": 0, "soap_factors": 0}
     policy = make_policy(o.geometry) if o.optimizer == "manifold_muon" else None
-    md_base = "adam" if o.optimizer == "adam_md" else "muon"
+    md_base = {"adam_md": "adam", "lion_md": "lion", "soap_md": "soap"}.get(o.optimizer, "muon")
 
     def adam(n):
         kinds["adam_moments"] += 2 * FP32 * n
 
-    def base(kind, n):
+    def base(kind, n, tn: Tensor | None = None):
         if kind == "adam":
             adam(n)
-        else:
+        elif kind == "soap":  # Adam moments plus the Kronecker factors L, R and their eigenbases Q_L, Q_R
+            adam(n)
+            rows, cols = tn.full
+            kinds["soap_factors"] += 2 * FP32 * tn.count * (rows * rows + cols * cols)
+        else:  # Muon's momentum, Lion's EMA
             kinds["muon_momentum"] += FP32 * n
 
     def md(tn: Tensor, base_kind: str, gains: str):
-        base(base_kind, tn.numel)
+        base(base_kind, tn.numel, tn)
         # Gain vector rho plus its two Adam moments, per axis, sized by the rank's shard.
         kinds["md_gains"] += 3 * FP32 * tn.count * _gain_elems(tn.local, gains)
 
@@ -180,7 +185,7 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
         elif o.optimizer == "muon":
             # megatron's Muon leaves the embedding and the LM head to AdamW
             base("adam" if tn.role in ("embedding", "head") else "muon", tn.numel)
-        elif o.optimizer in ("muon_md", "adam_md"):
+        elif o.optimizer.endswith("_md"):  # muon_md, adam_md, lion_md, soap_md
             if tn.role == "embedding":
                 md(tn, "adam", "none") if o.md_embedding_sphere != "none" else adam(tn.numel)
             elif tn.role == "head":

@@ -55,7 +55,7 @@ def model_flops(cfg, global_batch: int, tp: int = 1) -> float:
 def optimizer_ns_flops(cfg) -> float:
     """Newton–Schulz FLOPs of one optimizer step over the whole model (msign_flops per orthogonalised block)."""
     o, m = cfg.optimizer, cfg.model
-    if o.optimizer in ("adam", "adam_md"):
+    if o.optimizer in ("adam", "adam_md", "lion_md", "soap_md"):  # no Newton-Schulz in their hidden matrices
         return 0.0
     h, f = m.hidden_size, m.ffn_hidden_size
     qkv = [(r, h) for r in P.qkv_rows(cfg)]

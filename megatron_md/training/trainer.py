@@ -40,7 +40,7 @@ from megatron_md.training.build import (
 from megatron_md.training.preemption import TIME_UP, PreemptionWatch, mark_preempted, signal_name
 from megatron_md.training.batches import micro_batches
 from megatron_md.training import throughput as tp
-from megatron_md.training.config import RunConfig
+from megatron_md.training.config import MD_OPTIMIZERS, RunConfig
 from megatron_md.training.profiling import StepProfiler
 from megatron_md.training.run_logging import RunLogger
 from megatron_md.training.step import all_finite, make_forward_step, reduce_loss
@@ -94,7 +94,7 @@ class Trainer:
         self.vocab = vocab_size_for(cfg, self.tokenizer)
         self.model, self.tconfig = build_wrapped_model(cfg, self.vocab, self.cpu)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
-        if cfg.optimizer.optimizer in ("muon_md", "adam_md", "manifold_muon"):
+        if cfg.optimizer.optimizer in (*MD_OPTIMIZERS, "manifold_muon"):
             from megatron_md.mcore.md_checkpoint import sync_model_params
             sync_model_params(self.optimizer)  # step 0's forward sees the projected weights
         self.gbs = global_batch_size(cfg)

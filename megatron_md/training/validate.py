@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_md.training.config import RunConfig
+from megatron_md.training.config import MD_OPTIMIZERS, RunConfig
 
 
 class ConfigError(ValueError):
@@ -120,7 +120,8 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         need(o.muon_tp_mode in ("auto", "layer_sharded", "duplicated"),
              f"--muon-tp-mode {o.muon_tp_mode} is megatron Muon's; {o.optimizer} orthogonalises whole matrices: "
              "use layer_sharded (default) or duplicated")
-    if o.optimizer in ("muon_md", "adam_md", "manifold_muon"):
+    _md_option_errors(cfg, need)
+    if o.optimizer in (*MD_OPTIMIZERS, "manifold_muon"):
         need(o.muon_scale_mode == "spectral",
              f"--muon-scale-mode is megatron Muon's; {o.optimizer} scales its update with --md-scale-mode")
         need(o.muon_extra_scale_factor == 1.0,
@@ -258,3 +259,31 @@ def _rampup_errors(cfg: RunConfig, world_size: int) -> list[str]:
         errors.append(f"--rampup-batch-size {start} {incr} {samples}: --global-batch-size {gbs} minus START must "
                       "be a multiple of INCREMENT")
     return errors
+
+
+def _md_option_errors(cfg: RunConfig, need) -> None:
+    """MD options of the authors' code: only for MD optimizers, and only in combinations that can hold."""
+    o, p = cfg.optimizer, cfg.parallel
+    md_like = o.optimizer in (*MD_OPTIMIZERS, "manifold_muon")
+    flags = {"md_preserve_init": o.md_preserve_init, "md_tangent_grad": o.md_tangent_grad,
+             "md_normalize_update": o.md_normalize_update}
+    for name, on in flags.items():
+        need(md_like or not on, f"--{name.replace('_', '-')} is an MD option; it needs --optimizer "
+             f"{', '.join(MD_OPTIMIZERS)} (or manifold_muon with MD groups), not {o.optimizer}")
+    if o.optimizer == "manifold_muon":
+        need("embed" not in (o.md_sphere, o.md_gains) and not o.md_out_proj_radius,
+             "manifold_muon groups matrices by role, so out-projections cannot differ from the other hidden "
+             "matrices: drop --md-sphere/--md-gains embed and --md-out-proj-radius, or use an MD optimizer")
+    if o.md_preserve_init:
+        sphere = "row" if o.md_sphere == "embed" else o.md_sphere
+        holds = {"flat": ("rowcol", "row", "col", "flat", "embed"), "row": ("rowcol", "row", "embed"),
+                 "col": ("rowcol", "col")}[sphere]
+        need(o.md_gains in holds, f"--md-preserve-init keeps the initial norms in the gains, and on the "
+             f"{o.md_sphere} sphere that needs --md-gains {' or '.join(holds)} (got {o.md_gains})")
+    for name in ("lion_beta1", "lion_beta2", "soap_shampoo_beta"):
+        need(0.0 <= getattr(o, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(o, name)}")
+    if o.optimizer == "soap_md":
+        tp, etp = p.tensor_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+        need(tp == 1 and etp == 1, "soap_md keeps Kronecker factors of whole matrices, so it does not run on "
+             f"tensor-parallel shards (TP {tp}, expert TP {etp}); use --tensor-model-parallel-size 1 and "
+             "--expert-tensor-parallel-size 1, or another MD base (muon_md, adam_md, lion_md)")

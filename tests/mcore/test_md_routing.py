@@ -91,3 +91,40 @@ def test_out_projection_radius_option(mcore_world):
         elif key.endswith("linear_fc1.weight"):
             assert group.get("radius_scale", 1.0) == 1.0
             assert W.norm().item() == pytest.approx(math.sqrt(max(W.shape)), rel=1e-5), key
+
+
+def test_md_optimizer_names_agree():
+    """The trainer's list of MD optimizers (no megatron import) and the registry's name -> base map."""
+    from megatron_md.mcore.md_optimizer import MD_OPTIMIZERS as REGISTERED
+    from megatron_md.optim.bases import BASES
+    from megatron_md.training.config import MD_OPTIMIZERS
+
+    assert tuple(REGISTERED) == MD_OPTIMIZERS and set(REGISTERED.values()) == set(BASES)
+
+
+def test_embed_mode_and_preserve_init_route_by_role(mcore_world):
+    """``embed``: out-projections get column spheres and gains, the other hidden matrices row ones; with
+    ``--md-preserve-init`` the hidden weights are the model's initial ones and the gains hold their norms."""
+    from megatron_md.training.build import build_optimizer, build_wrapped_model
+
+    cfg = resolve("tiny-dense", None, {"optimizer": "lion_md", "mock_data": True, "md_sphere": "embed",
+                                       "md_gains": "embed", "md_preserve_init": True})
+    model, _ = build_wrapped_model(cfg, cfg.model.vocab_size, cpu=True)
+    initial = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    optimizer, _ = build_optimizer(cfg, model)
+    md = _md_params(optimizer)
+    seen = set()
+    for key, (group, p, opt) in md.items():
+        if "decoder.layers." not in key:
+            continue
+        out_proj = key.endswith(("linear_proj.weight", "linear_fc2.weight"))
+        assert bool(group.get("out_proj")) == out_proj and group["md_base"] == "lion", key
+        assert torch.equal(p.detach(), initial[key]), f"{key}: preserve_init must keep the weights"
+        opt._init_group(group, skip_non_grad_params=False)  # state is made lazily (as before a checkpoint load)
+        g_row, g_col = opt.gains(p)
+        axis = 0 if out_proj else 1  # out-projections: unit columns, the others unit rows
+        norms = p.detach().float().norm(dim=axis)
+        torch.testing.assert_close((g_col if out_proj else g_row), norms, rtol=1e-5, atol=0)
+        assert (g_row is None) == out_proj and (g_col is None) != out_proj
+        seen.add(out_proj)
+    assert seen == {True, False}

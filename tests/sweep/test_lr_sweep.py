@@ -112,6 +112,7 @@ def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
     (["--", "--hidden-size", "64"], "use lr-sweep --widths"),
     (["--", "--matrix-lr", "0.1"], "carries the swept LR of muon_md"),
     (["--corpus", "unused", "--", "--mock-data"], "--corpus and --mock-data"),
+    (["--corpus", "unused", "--corpus-vocab", "10"], "--corpus-vocab must be in [64, 65536]"),
 ])
 def test_bad_input_names_the_flag(tmp_path, capsys, args, message):
     base = ["--model", "tiny-dense", "--out", str(tmp_path / "o"), "--widths", "32", "--optimizers", "adamw,muon_md",

@@ -41,6 +41,18 @@ MOCK = ["--mock-data", "--wandb-mode", "disabled"]
          "muon_md scales its update with --md-scale-mode"),
         (["--model", "tiny-dense", "--optimizer", "adam_md", "--muon-extra-scale-factor", "2"],
          "--muon-extra-scale-factor is megatron Muon's"),
+        # MD options of the authors' code
+        (["--model", "tiny-dense", "--optimizer", "adam", "--md-tangent-grad"],
+         "--md-tangent-grad is an MD option"),
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--md-preserve-init", "--md-gains", "none"],
+         "--md-preserve-init keeps the initial norms in the gains"),
+        (["--model", "tiny-dense", "--optimizer", "lion_md", "--md-preserve-init", "--md-sphere", "col",
+          "--md-gains", "row"], "needs --md-gains rowcol or col"),
+        (["--model", "tiny-dense", "--optimizer", "lion_md", "--lion-beta2", "1.0"], "--lion-beta2 must be in [0, 1)"),
+        (["--model", "tiny-dense", "--optimizer", "soap_md", "--nproc-per-node", "2", "--tensor-model-parallel-size",
+          "2"], "soap_md keeps Kronecker factors of whole matrices"),
+        (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--md-gains", "embed"],
+         "manifold_muon groups matrices by role"),
     ],
 )
 def test_invalid_layouts_and_batches(capsys, args, needle):

@@ -5,7 +5,8 @@ one run gives both the straight losses and the checkpoint; a resumed run loads i
 3-4 with the same ``--train-iters`` (same LR schedule).
 
 - same layout: every optimizer resumes bit-identically (Adam in megatron's default
-  ``dp_reshardable`` format; the others with the layer-wise optimizer);
+  ``dp_reshardable`` format; the others with the layer-wise optimizer), the MD bases Lion and SOAP with
+  the authors' options too;
 - another layout: DP2->DP1, DP1->DP2 and DP2->PP2 continue within rel 1e-5 of the straight run.
   DP2->TP2 and EP2->EP1 change the bf16 arithmetic itself (TP: row-parallel partial sums are rounded
   before they are added, two straight runs from identical weights differ by ~9e-5; EP: experts see
@@ -35,6 +36,11 @@ OPTIMIZERS = {
     "muon": ["--optimizer", "muon"],
     "muon_md": ["--optimizer", "muon_md"],
     "adam_md": ["--optimizer", "adam_md"],
+    # the other MD bases, each with a set of the authors' options (their state: Lion's EMA, a flat gain; SOAP's
+    # Kronecker factors and eigenbases, out-projection column gains)
+    "lion_md": ["--optimizer", "lion_md", "--md-gains", "flat", "--md-gain-param", "offset", "--md-tangent-grad",
+                "--md-normalize-update"],
+    "soap_md": ["--optimizer", "soap_md", "--md-sphere", "embed", "--md-gains", "embed", "--md-preserve-init"],
     "manifold_muon": ["--optimizer", "manifold_muon", "--geometry", "hetero"],
 }
 LAYOUTS = {
