@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
                    help="Centre k of --lrs N for an optimizer (repeatable or comma-separated).")
     p.add_argument("--k-range", action="append", default=[], metavar="OPT=LO:HI",
                    help="Ladder points LO..HI for an optimizer (wins over --lrs).")
+    p.add_argument("--k-step", type=int, default=1, metavar="N",
+                   help="Ladder points N apart in k (2: each LR twice the last) for --lrs N, --k-range and "
+                   "--extend-edges [default: 1, a factor sqrt(2)].")
     p.add_argument("--seeds", default="1", help="Comma-separated seeds. [default: 1]")
     p.add_argument("--steps", type=int, help="--train-iters of every cell [default: the base config's; "
                    "--coord-check: 5].")
@@ -95,6 +98,8 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
     for name, value in (("--steps", a.steps), ("--log-interval", a.log_interval)):
         if value is not None and value < 1:
             raise G.GridError(f"{name} must be >= 1, got {value}")
+    if getattr(a, "k_step", 1) < 1:
+        raise G.GridError(f"--k-step must be >= 1, got {a.k_step}")
     if a.max_cells is not None and a.max_cells < 0:
         raise G.GridError(f"--max-cells must be >= 0, got {a.max_cells}")
     if getattr(a, "extend_edges", 0) < 0:
@@ -119,7 +124,7 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
     spec = G.SweepSpec(
         base=base, widths=G.parse_widths(a.widths), optimizers=optimizers, lrs=G.parse_lrs(a.lrs),
         seeds=G.parse_seeds(a.seeds), steps=steps, k_centers=G.parse_k_centers(a.k_center),
-        k_ranges=G.parse_k_ranges(a.k_range), warmups=G.parse_warmups(a.warmups),
+        k_ranges=G.parse_k_ranges(a.k_range), k_step=a.k_step, warmups=G.parse_warmups(a.warmups),
         weight_decays=G.parse_weight_decays(a.weight_decays), log_interval=a.log_interval, extra=extra,
         base_explicit=explicit,
     )

@@ -187,16 +187,17 @@ def parse_weight_decays(text: Optional[str]) -> Optional[list[float]]:
     return wds
 
 
-def lr_grid(optimizer: str, lrs, centers: dict, ranges: dict) -> list[float]:
-    """The LRs of one optimizer: --k-range wins, then explicit --lrs, then N points on the ladder."""
+def lr_grid(optimizer: str, lrs, centers: dict, ranges: dict, k_step: int = 1) -> list[float]:
+    """The LRs of one optimizer: --k-range wins, then explicit --lrs, then N points on the ladder; ladder points
+    ``k_step`` apart (2: factors of 2 in LR)."""
     if optimizer in ranges:
         lo, hi = ranges[optimizer]
-        return [lr_of_k(k) for k in range(lo, hi + 1)]
+        return [lr_of_k(k) for k in range(lo, hi + 1, k_step)]
     if isinstance(lrs, list):
         return list(lrs)
     c = centers.get(optimizer, RECIPES[optimizer].k_center)
-    lo = c - (lrs - 1) // 2  # even N: one more point above the centre than below
-    return [lr_of_k(k) for k in range(lo, lo + lrs)]
+    lo = c - ((lrs - 1) // 2) * k_step  # even N: one more point above the centre than below
+    return [lr_of_k(lo + i * k_step) for i in range(lrs)]
 
 
 # ----------------------------------------------------------------------------- cells
@@ -243,6 +244,7 @@ class SweepSpec:
     steps: int
     k_centers: dict = field(default_factory=dict)
     k_ranges: dict = field(default_factory=dict)
+    k_step: int = 1
     warmups: Optional[list] = None
     weight_decays: Optional[list[float]] = None
     log_interval: Optional[int] = None
@@ -261,7 +263,7 @@ class SweepSpec:
             for wu in dict.fromkeys(warmups):
                 for wd in wds:
                     for width in self.widths:
-                        for lr in lr_grid(opt, self.lrs, self.k_centers, self.k_ranges):
+                        for lr in lr_grid(opt, self.lrs, self.k_centers, self.k_ranges, self.k_step):
                             for seed in self.seeds:
                                 out.append(Cell(opt, width, lr, seed, wu, wd, self.steps))
         names = {c.name for c in out}
@@ -287,7 +289,8 @@ class SweepSpec:
             if k is None:
                 continue  # an explicit LR off the ladder: nowhere defined to step to
             opt, width, wu, wd = key
-            new += [Cell(opt, width, lr_of_k(k + s), seed, wu, wd, self.steps) for s in steps for seed in self.seeds]
+            new += [Cell(opt, width, lr_of_k(k + s * self.k_step), seed, wu, wd, self.steps)
+                    for s in steps for seed in self.seeds]
         new = [c for c in new if c.name not in mine]
         self.added += new
         return new

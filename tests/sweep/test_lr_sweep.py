@@ -51,6 +51,9 @@ def test_sqrt2_ladder_and_centring():
     assert ks("adamw", 3, {"adamw": 0}) == [-1, 0, 1]
     assert ks("adamw", 3, {}, {"adamw": (2, 4)}) == [2, 3, 4]  # --k-range wins over --lrs
     assert G.lr_grid("muon", [0.01, 0.02], {}, {}) == [0.01, 0.02]
+    # --k-step 2: factors of 2 in LR, for --lrs N and --k-range alike
+    assert [G.k_label(x) for x in G.lr_grid("adamw", 3, {"adamw": 4}, {}, 2)] == [2, 4, 6]
+    assert [G.k_label(x) for x in G.lr_grid("adamw", 3, {}, {"adamw": (3, 8)}, 2)] == [3, 5, 7]
     # the measured centres: adamw in 3e-3..1e-2, megatron muon ~0.02, muon_md 0.05..0.1
     assert 3e-3 <= G.lr_of_k(G.RECIPES["adamw"].k_center) <= 1e-2
     assert 0.014 <= G.lr_of_k(G.RECIPES["muon"].k_center) <= 0.03
@@ -108,6 +111,7 @@ def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
     (["--warmups", "x"], "--warmups"),
     (["--steps", "0"], "--steps"),
     (["--extend-edges", "-1"], "--extend-edges must be >= 0"),
+    (["--k-step", "0"], "--k-step must be >= 1"),
     (["--extend-edges", "2"], "--extend-edges needs the results of the grid"),  # with --dry-run
     (["--", "--hidden-size", "64"], "use lr-sweep --widths"),
     (["--", "--matrix-lr", "0.1"], "carries the swept LR of muon_md"),
@@ -212,6 +216,9 @@ def test_extend_edges_adds_the_next_ladder_point_beyond_an_edge_optimum(tmp_path
     # a curve of one LR grows on both sides; rows of cells outside the sweep do not count
     one = spec(optimizers=("muon_md",), widths=[64], seeds=[1, 2], k_ranges={"muon_md": (5, 5)})
     assert sorted({c.k for c in one.extend_edges(sweep_curves(one, rs))}) == [4, 6]
+    # with --k-step 2 the walk keeps the grid's spacing
+    two = spec(optimizers=("muon_md",), widths=[64], seeds=[1, 2], k_ranges={"muon_md": (5, 5)}, k_step=2)
+    assert sorted({c.k for c in two.extend_edges(sweep_curves(two, rs))}) == [3, 7]
 
 
 # ----------------------------------------------------------------------------- end to end
