@@ -80,3 +80,15 @@ def test_layer_wise_distributed_optimizer(tmp_path):
     ref = _losses(tmp_path, "lw-dp1", 1, *run, "--use-distributed-optimizer")
     _same(_losses(tmp_path, "lw-dp2", 2, *run, "--use-distributed-optimizer"), ref)
     _same(_losses(tmp_path, "plain-dp1", 1, *run), ref)
+
+
+def test_lion_base_with_the_authors_options_is_tp_independent(tmp_path):
+    """lion_md with embed spheres and gains, offset gains, preserve_init, --md-tangent-grad and
+    --md-normalize-update: the row/column sums of all of them cross TP shards, and TP2 must match DP1."""
+    seed = _seed(tmp_path, "tiny-dense")
+    run = ["--model", "tiny-dense", "--pretrained-checkpoint", str(seed), "--train-iters", "3",
+           "--optimizer", "lion_md", "--matrix-lr", "0.02", "--md-sphere", "embed", "--md-gains", "embed",
+           "--md-gain-param", "offset", "--md-preserve-init", "--md-tangent-grad", "--md-normalize-update"]
+    ref = _losses(tmp_path, "lion-dp1", 1, *run)
+    assert ref[-1] < ref[0]
+    _same(_losses(tmp_path, "lion-tp2", 2, *run, "--tensor-model-parallel-size", "2"), ref)
