@@ -2,20 +2,21 @@
 # The probe of the second CPU regime (README.md here): does each optimizer's final loss rise one grid step
 # (a factor 2 in LR) either side of its optimum, by more than the seed noise, at widths 64 and 256?
 # Rerun this record into runs/records/2026-12-03-regime-probe (OUT=... to change; records/ is never written).
-# Resumable: rerun to continue (finished cells are kept). Cost: a width-64 cell takes ~160 s on one core,
-# so the width-64 block is ~1.2 core-hours; width 256 has not been timed yet (about 4-6x a width-64 cell).
+# Resumable: rerun to continue (finished cells are kept). Each curve starts as three LRs a factor 2 apart and
+# --extend-edges walks it outwards (same spacing) until its optimum is inside.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/records/2026-12-03-regime-probe}
 export OMP_NUM_THREADS=1
 sweep() {
   .venv/bin/megatron-md lr-sweep --config examples/lr_transfer/dense_cpu_sp512.yaml --corpus runs/records_data_sp512 \
-    --corpus-vocab 512 --out "$OUT" --log-interval 50 --no-plot "$@"
+    --corpus-vocab 512 --out "$OUT" --log-interval 10 --no-plot --k-step 2 --extend-edges 3 "$@"
 }
 # MuonMD's other LRs: --lr 3e-3 --embedding-lr 3e-3 at every width (a first one-seed probe without the paper's
 # architecture options: 3e-3/3e-3 beat the paper's 1e-3/3e-3 there). Muon: fp32 Newton-Schulz (the CPU default).
 for W in 64 256; do
-  sweep --widths "$W" --seeds 1,2,3 --optimizers muon_md --lrs 0.05,0.1,0.2 -- --lr 3e-3 --embedding-lr 3e-3
-  sweep --widths "$W" --seeds 1,2,3 --optimizers adamw --lrs 0.002,0.004,0.008
-  sweep --widths "$W" --seeds 1,2,3 --optimizers muon --lrs 0.004,0.008,0.016 -- --muon-fp32-matmul-prec highest
+  sweep --widths "$W" --seeds 1,2,3 --optimizers muon_md --k-range muon_md=11:15 -- --lr 3e-3 --embedding-lr 3e-3
+  sweep --widths "$W" --seeds 1,2,3 --optimizers adamw --k-range adamw=2:6
+  sweep --widths "$W" --seeds 1,2,3 --optimizers muon --k-range muon=4:8 -- --muon-fp32-matmul-prec highest
 done
+.venv/bin/python tools/probe_curvature.py "$OUT/results.csv"
