@@ -4,8 +4,8 @@
 # attention diverged near 15k steps. tiny-gpt2 (0.37M parameters) on the first regime's corpus, matrix LR 0.1
 # (the 2026-12-01 record's LR), diagnostics (sigma_max, max logit) every 250 steps.
 # Rerun into runs/records/2026-12-03-manifold-50k-profile/<preset> (OUT=... to change; records/ is never written).
-# Resumable: finished cells are kept; a cell cut short restarts. About 35 minutes per cell on one core
-# (3 presets x 2 seeds = 6 cells, ~3.5 core-hours); seeds go one at a time across the presets.
+# Resumable: finished cells are kept; a cell cut short restarts. About 50 minutes per cell on one core of two
+# busy ones (3 presets x 2 seeds = 6 cells, ~5 core-hours); seeds go one at a time across the presets.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/records/2026-12-03-manifold-50k-profile}
