@@ -397,6 +397,23 @@ def render_manifold(repo: Path, rec: Path | None = None) -> str:
     return "\n".join(out) if out else _no_record("manifold-geometry")
 
 
+def render_regime_probe(repo: Path) -> str:
+    """How far each probed curve rises one grid step either side of its optimum (megatron_md/sweep/curvature.py)."""
+    R = _records()
+    rec = R.latest(repo, "regime-probe")
+    if rec is None:
+        return _no_record("regime-probe")
+    from megatron_md.sweep.curvature import curvature, curvature_markdown
+    from megatron_md.sweep.results import read_csv
+
+    rows = read_csv(rec / "results.csv")
+    seeds = len({r["seed"] for r in rows})
+    return (f"Rise of the final eval loss one grid step (a factor 2 in LR) below and above each curve's optimum, "
+            f"in standard errors of the difference over seeds (unpaired; paired: of the per-seed differences); "
+            f"up to {seeds} seeds. From `{rec.relative_to(repo).as_posix()}/results.csv`.\n\n"
+            + curvature_markdown(curvature(rows)))
+
+
 def render_claims(repo: Path, only: Path | None = None) -> str:
     """Every claim of the newest records, or (``only``) the claims that one record judges."""
     R = _records()
@@ -440,6 +457,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "gpu_bench": render_gpu_bench,
     "plan": render_plan,
     "records_claims": render_claims,
+    "records_regime_probe": render_regime_probe,
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",
                                         "final loss vs LR per width, optimum marked"),
     "records_md_ablations": with_figures(render_md_ablations, "md-ablations", "ablations.png",

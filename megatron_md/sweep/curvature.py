@@ -72,7 +72,7 @@ def curvature(rows: list[dict]) -> list[dict]:
 
 def _fmt(s: dict | None) -> str:
     if s is None:
-        return "none (edge)"
+        return "— (no LR there that every seed ran)"
     return f"{s['rise']:+.4f} ({s['sigmas']:.1f} SE; paired {s['sigmas_paired']:.1f})"
 
 

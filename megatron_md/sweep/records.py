@@ -33,7 +33,7 @@ SPIKE_NATS = 1.0  # a logged train loss this far above its running minimum count
 
 
 RESULTS_GLOB = {"lr-transfer": "results.csv", "md-ablations": "variants/*/results.csv",
-                "manifold-geometry": "*/*/results.csv"}
+                "manifold-geometry": "*/*/results.csv", "regime-probe": "results.csv"}
 
 
 def latest(repo: Path, kind: str) -> Optional[Path]:

@@ -19,4 +19,8 @@ for W in 64 256; do
   sweep --widths "$W" --seeds 1,2,3 --optimizers adamw --k-range adamw=2:6
   sweep --widths "$W" --seeds 1,2,3 --optimizers muon --k-range muon=4:8 -- --muon-fp32-matmul-prec highest
 done
+# Width 64 with 3 seeds left AdamW's upper side (0.8 SE) and Muon's lower side (0.1 SE) short of 2 SE: two more
+# seeds at their optimum and neighbours, and Muon one more LR below.
+sweep --widths 64 --seeds 1,2,3,4,5 --optimizers adamw --k-range adamw=6:10
+sweep --widths 64 --seeds 1,2,3,4,5 --optimizers muon --k-range muon=2:8 -- --muon-fp32-matmul-prec highest
 .venv/bin/python tools/probe_curvature.py "$OUT/results.csv"
