@@ -233,7 +233,7 @@ def gain_grads_fused(
     if g_row is None and g_col is None:
         return None, None, None
     GW = G * W
-    if g_row.ndim == 0 if g_row is not None else False:  # flat: Σ G ⊙ Ŵ = Σ G ⊙ W / γ
+    if g_row is not None and g_row.ndim == 0:  # flat: Σ G ⊙ Ŵ = Σ G ⊙ W / γ
         return reducer.sum_all(GW).div_(g_row).reshape(1), None, GW
     d_row = None if g_row is None else reducer.sum_over_cols(GW).div_(g_row)
     d_col = None if g_col is None else reducer.sum_over_rows(GW).div_(g_col)
