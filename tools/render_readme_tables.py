@@ -284,7 +284,11 @@ GEOMETRY = {  # preset -> (attention, MLP), as in ALGORITHMS.md section 3.5
 ABLATION_FLAGS = {"rowcol": "(defaults: --md-gains rowcol --md-gain-param softplus, no warmup)",
                   "row": "--md-gains row", "col": "--md-gains col", "none": "--md-gains none (Muon + sphere)",
                   "direct": "--md-gain-param direct", "warmup-10pct": "--warmups 10%",
-                  "paper-lrs": "--lr 1e-3 --embedding-lr 3e-3 (the paper's fixed LRs)"}
+                  "paper-lrs": "--lr 1e-3 --embedding-lr 3e-3 (the paper's fixed LRs)",
+                  "flat": "--md-gains flat (one scalar per matrix)", "offset": "--md-gain-param offset",
+                  "wd-0.1": "--weight-decays 0.1", "lion": "--optimizer lion_md (Lion base update)",
+                  "adam": "--optimizer adam_md (Adam base update)",
+                  "adam-hs-u": "--optimizer adam_md --md-normalize-update (the authors' --hs-u)"}
 
 
 def _records():

@@ -1,6 +1,7 @@
 """Summaries and claim verdicts of the CPU records kept under ``records/<date>-<name>/``.
 
-Three kinds of record, found by the end of their directory name (the newest date wins):
+Three kinds of record, found by the end of their directory name (the newest date wins; a record holding an
+``IN_PROGRESS`` file is passed over):
 
 - ``*-lr-transfer``: one ``lr-sweep`` over widths x optimizers x LRs x seeds (``results.csv``);
 - ``*-md-ablations``: one ``lr-sweep`` per MuonMD variant at one width, ``variants/<name>/results.csv``;
@@ -36,9 +37,19 @@ RESULTS_GLOB = {"lr-transfer": "results.csv", "md-ablations": "variants/*/result
                 "manifold-geometry": "*/*/results.csv", "regime-probe": "results.csv"}
 
 
+# A record still being run (over several sessions) holds this file, saying what is left: its cells are kept as
+# they finish, but no README table or claim reads it until the file is removed.
+IN_PROGRESS = "IN_PROGRESS"
+
+
+def in_progress(rec: Path) -> bool:
+    return (Path(rec) / IN_PROGRESS).exists()
+
+
 def latest(repo: Path, kind: str) -> Optional[Path]:
-    """The newest ``records/*-<kind>`` directory that holds results, or None."""
-    found = sorted(p for p in (Path(repo) / "records").glob(f"*-{kind}") if any(p.glob(RESULTS_GLOB[kind])))
+    """The newest finished ``records/*-<kind>`` directory that holds results, or None."""
+    found = sorted(p for p in (Path(repo) / "records").glob(f"*-{kind}")
+                   if any(p.glob(RESULTS_GLOB[kind])) and not in_progress(p))
     return found[-1] if found else None
 
 
@@ -301,8 +312,13 @@ def ablation_claims(record: Path, rel: str, transfer: Optional[Path] = None) -> 
         return verdict, _gap(f"{b}−{a}", verdict, gap, noise)
 
     if {"rowcol", "row", "col", "none"} <= set(v):
-        r = [pair("rowcol", "row"), pair("rowcol", "col"), pair("row", "none"), pair("col", "none")]
-        claims.append(Claim("Gains: row+col ≤ row-only, col-only ≤ none (sphere without gains)",
+        # the paper's order: rowcol <= row, col <= flat (one scalar per matrix) <= none; flat when it was run
+        below = ["flat"] if "flat" in v else []
+        steps = [("rowcol", "row"), ("rowcol", "col")] + [(a, b) for a in ("row", "col") for b in below or ["none"]]
+        steps += [("flat", "none")] if below else []
+        r = [pair(a, b) for a, b in steps]
+        label = "row-only, col-only ≤ one scalar (flat) ≤ none" if below else "row-only, col-only ≤ none"
+        claims.append(Claim(f"Gains: row+col ≤ {label} (sphere without gains)",
                             combine([x[0] for x in r]), "; ".join(x[1] for x in r), rel))
     if {"rowcol", "none"} <= set(v):
         verdict, text = pair("rowcol", "none")
@@ -322,6 +338,12 @@ def ablation_claims(record: Path, rel: str, transfer: Optional[Path] = None) -> 
         verdict = NOT_HELD if verdict == HELD else HELD if math.isfinite(noise) else INCONCLUSIVE
         claims.append(Claim("MuonMD needs no warmup (0 warmup ≤ 10% warmup, within noise)", verdict,
                             _gap("(no warmup)−(warmup)", verdict, gap, noise), rel))
+    if {"rowcol", "wd-0.1"} <= set(v):
+        # "no weight decay needed": on the sphere decay only shrinks what the projection restores
+        verdict, gap, noise = compare(v["wd-0.1"], v["rowcol"])
+        verdict = NOT_HELD if verdict == HELD else HELD if math.isfinite(noise) else INCONCLUSIVE
+        claims.append(Claim("MuonMD needs no weight decay (0 ≤ 0.1, within noise)", verdict,
+                            _gap("(no decay)−(decay 0.1)", verdict, gap, noise), rel))
     return claims
 
 

@@ -14,11 +14,14 @@ sweep() {
 }
 # MuonMD's other LRs: --lr 3e-3 --embedding-lr 3e-3 at every width (a first one-seed probe without the paper's
 # architecture options: 3e-3/3e-3 beat the paper's 1e-3/3e-3 there). Muon: fp32 Newton-Schulz (the CPU default).
-for W in 64 256; do
-  sweep --widths "$W" --seeds 1,2,3 --optimizers muon_md --k-range muon_md=11:15 -- --lr 3e-3 --embedding-lr 3e-3
-  sweep --widths "$W" --seeds 1,2,3 --optimizers adamw --k-range adamw=2:6
-  sweep --widths "$W" --seeds 1,2,3 --optimizers muon --k-range muon=4:8 -- --muon-fp32-matmul-prec highest
-done
+# Width 64: each curve starts as three LRs around a guess; width 256 starts from what width 64 showed (the
+# optimum one grid step lower for AdamW and Muon; MuonMD's k=11 and k=13 had run under a 11:15 start).
+sweep --widths 64 --seeds 1,2,3 --optimizers muon_md --k-range muon_md=11:15 -- --lr 3e-3 --embedding-lr 3e-3
+sweep --widths 64 --seeds 1,2,3 --optimizers adamw --k-range adamw=2:6
+sweep --widths 64 --seeds 1,2,3 --optimizers muon --k-range muon=4:8 -- --muon-fp32-matmul-prec highest
+sweep --widths 256 --seeds 1,2,3 --optimizers adamw --k-range adamw=4:8
+sweep --widths 256 --seeds 1,2,3 --optimizers muon --k-range muon=2:6 -- --muon-fp32-matmul-prec highest
+sweep --widths 256 --seeds 1,2,3 --optimizers muon_md --k-range muon_md=9:13 -- --lr 3e-3 --embedding-lr 3e-3
 # Width 64 with 3 seeds left AdamW's upper side (0.8 SE) and Muon's lower side (0.1 SE) short of 2 SE: two more
 # seeds at their optimum and neighbours, and Muon one more LR below.
 sweep --widths 64 --seeds 1,2,3,4,5 --optimizers adamw --k-range adamw=6:10

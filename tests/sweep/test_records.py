@@ -129,6 +129,22 @@ def test_ablation_claims(tmp_path):
     assert R.ablation_claims(rec2, "rec")[0].verdict == R.HELD
 
 
+def test_ablation_claims_with_flat_gains_and_weight_decay(tmp_path):
+    rec = _ablation_record(tmp_path, {"rowcol": 4.80, "row": 4.85, "col": 4.86, "flat": 4.90, "none": 4.95,
+                                      "wd-0.1": 4.8001})
+    claims = {c.claim: c for c in R.ablation_claims(rec, "rec")}
+    gains = claims["Gains: row+col ≤ row-only, col-only ≤ one scalar (flat) ≤ none (sphere without gains)"]
+    assert gains.verdict == R.HELD and "flat−row" in gains.evidence and "none−flat" in gains.evidence
+    assert claims["MuonMD needs no weight decay (0 ≤ 0.1, within noise)"].verdict == R.HELD
+    # flat no better than none: the ordering does not hold
+    rec = _ablation_record(tmp_path / "b", {"rowcol": 4.80, "row": 4.85, "col": 4.86, "flat": 5.00, "none": 4.95,
+                                            "wd-0.1": 4.70})
+    claims = {c.claim: c for c in R.ablation_claims(rec, "rec")}
+    assert claims["Gains: row+col ≤ row-only, col-only ≤ one scalar (flat) ≤ none (sphere without gains)"].verdict \
+        == R.NOT_HELD
+    assert claims["MuonMD needs no weight decay (0 ≤ 0.1, within noise)"].verdict == R.NOT_HELD
+
+
 def _metrics(path: Path, steps: int, attn_growth: float, spike_at=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -250,6 +266,21 @@ def test_render_writes_each_records_own_readme(tmp_path):
     assert "MuonMD's best matrix LR" in t_new and "Gains" not in t_new
     assert "MuonMD < Muon+sphere" in t_abl and "MuonMD's best matrix LR" not in t_abl
     assert t_abl.startswith("# what was run")
+
+
+def test_a_record_in_progress_is_passed_over(tmp_path):
+    render = _load_renderer()
+    done = _transfer_record(tmp_path, {64: 12, 128: 12})
+    running = tmp_path / "records" / "2026-02-01-lr-transfer"
+    shutil.copytree(done, running)
+    (running / "results.csv").write_text((done / "results.csv").read_text().replace(",64,", ",256,"))
+    assert R.latest(tmp_path, "lr-transfer") == running
+    (running / R.IN_PROGRESS).write_text("width 512 to run\n")
+    assert R.latest(tmp_path, "lr-transfer") == done
+    claims = render.render_claims(tmp_path)
+    assert str(done.relative_to(tmp_path)) in claims and str(running.relative_to(tmp_path)) not in claims
+    (done / R.IN_PROGRESS).write_text("\n")
+    assert R.latest(tmp_path, "lr-transfer") is None
 
 
 def test_render_without_records(tmp_path):
