@@ -66,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
                    help="After the grid, add the next ladder LR (every seed) beyond each width x optimizer curve "
                    "whose best LR is its lowest or highest, and repeat, at most N times: every optimum ends "
                    "strictly inside its grid (or N more points were tried). Local runs only. [default: 0]")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="Run N cells at once, each with cores/N threads unless OMP_NUM_THREADS is set "
+                   "[default: 1]. Two lr-sweeps on the same --out also share the work: each skips the cells "
+                   "the other is running.")
     p.add_argument("--max-cells", type=int, help="Stop after running this many new cells (rerun to continue).")
     p.add_argument("--retry-failed", action="store_true", help="Rerun cells that failed (not diverged ones).")
     p.add_argument("--dry-run", action="store_true", help="Print every cell's command; run nothing.")
@@ -100,6 +104,8 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
             raise G.GridError(f"{name} must be >= 1, got {value}")
     if getattr(a, "k_step", 1) < 1:
         raise G.GridError(f"--k-step must be >= 1, got {a.k_step}")
+    if getattr(a, "jobs", 1) < 1:
+        raise G.GridError(f"--jobs must be >= 1, got {a.jobs}")
     if a.max_cells is not None and a.max_cells < 0:
         raise G.GridError(f"--max-cells must be >= 0, got {a.max_cells}")
     if getattr(a, "extend_edges", 0) < 0:
@@ -207,7 +213,7 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
     rc = 0
     try:
         counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
-                                  on_result=lambda: results.write_all(out), log=log)
+                                  on_result=lambda: results.write_all(out), log=log, jobs=a.jobs)
         failed = counts["failed"]
         for round_ in range(1, a.extend_edges + 1):
             if counts["left"]:
@@ -218,7 +224,7 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
             log(f"[lr-sweep] extend-edges {round_}/{a.extend_edges}: optimum on the grid's edge; adding "
                 + ", ".join(sorted({f"{c.optimizer} w{c.width} lr {c.lr:.3g}" for c in new})))
             counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
-                                      on_result=lambda: results.write_all(out), log=log)
+                                      on_result=lambda: results.write_all(out), log=log, jobs=a.jobs)
             failed += counts["failed"]
         if failed:
             log(f"[lr-sweep] {failed} cells failed (recorded as diverged; --retry-failed reruns them)")

@@ -6,10 +6,16 @@ interrupted sweep stopped. A cell that exits 3 (too many non-finite steps), ends
 loss or fails is recorded (``diverged``), so it is not retried on every rerun (``--retry-failed``
 reruns the failed ones). An unfinished cell's directory is wiped before it runs again: the trainer
 appends to ``metrics.jsonl``.
+
+``--jobs N`` runs N cells at once. Each running cell holds an exclusive lock (``OUT/locks/<cell>.lock``,
+released by the kernel when its sweep dies), so two sweeps on the same OUT, or a sweep started while another
+still runs, skip each other's running cells instead of wiping them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -18,13 +24,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_md.sweep.grid import Cell, GridError, SweepSpec
 
 RESULT = "result.json"
+LOCKS = "locks"
+ELSEWHERE = "finished elsewhere"  # a cell another sweep finished while this one waited to start it
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT")
 
 
@@ -158,8 +168,65 @@ def _train_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "megatron_md.cli", "train", *args]
 
 
-def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int) -> dict:
-    """Train one cell; return its result record (written to result.json) or raise SweepInterrupted."""
+@contextlib.contextmanager
+def cell_lock(out: Path, cell: Cell):
+    """Yield True while this process holds the cell's lock, False when another process holds it."""
+    d = Path(out) / LOCKS
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"{cell.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        except OSError:
+            yield True  # a file system without locks (some NFS mounts): run unguarded, as before locks existed
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class _Stop:
+    """What a sweep stopping (signal, Ctrl-C) tells its running cells: terminate, and record nothing."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.procs: set = set()
+        self.lock = threading.Lock()
+
+    def start(self, proc) -> None:
+        with self.lock:
+            self.procs.add(proc)
+            if self.event.is_set():
+                proc.send_signal(signal.SIGTERM)
+
+    def done(self, proc) -> None:
+        with self.lock:
+            self.procs.discard(proc)
+
+    def all(self) -> None:
+        """SIGTERM every running cell (the trainer exits after its step); kill those still there after 60 s."""
+        with self.lock:
+            self.event.set()
+            procs = list(self.procs)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int, stop: Optional[_Stop] = None,
+             threads: Optional[int] = None) -> dict:
+    """Train one cell (``threads``: its OMP_NUM_THREADS); return its result record (written to result.json)
+    or raise SweepInterrupted."""
+    stop = stop or _Stop()
     d = cell_dir(out, cell)
     if d.exists():
         shutil.rmtree(d)  # a run that never finished: its metrics would be appended to
@@ -167,23 +234,24 @@ def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int) -> dict:
     args = spec.train_args(cell)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env.setdefault("WANDB_SILENT", "true")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     t0 = time.perf_counter()
     with open(d / "cell.log", "w") as log:
         log.write("$ megatron-md train " + shlex.join(args + ["--run-dir", str(d)]) + "\n")
         log.flush()
         proc = subprocess.Popen(_train_command(args + ["--run-dir", str(d)]), stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
+        stop.start(proc)
         try:
             rc = proc.wait()
         except BaseException:
-            # Ctrl-C / SIGTERM of the sweep: stop the cell too (the trainer exits after its step).
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop.all()
             raise
+        finally:
+            stop.done(proc)
+    if stop.event.is_set():
+        raise SweepInterrupted(f"cell {cell.name} stopped with the sweep")  # not a result: rerun it on resume
     wall = time.perf_counter() - t0
     m = summarize_metrics(d)
     if rc == 0 and m["iterations"] < cell.steps:
@@ -217,44 +285,88 @@ def finished(spec: SweepSpec, cell: Cell, out: Path, retry_failed: bool) -> Opti
 
 
 def run_sweep(spec: SweepSpec, out: Path, *, max_cells: Optional[int] = None, retry_failed: bool = False,
-              on_result: Optional[Callable[[], None]] = None, log: Callable[[str], None] = print) -> dict:
-    """Run every unfinished cell in order; stop after ``max_cells`` new ones. Returns counts."""
+              on_result: Optional[Callable[[], None]] = None, log: Callable[[str], None] = print,
+              jobs: int = 1) -> dict:
+    """Run every unfinished cell in order, ``jobs`` at a time; stop after ``max_cells`` new ones. A cell another
+    sweep is running (its lock is held) is skipped and counted as ``busy``. Returns counts."""
+    printing = threading.Lock()
+
+    def log_line(msg: str, _log=log) -> None:  # whole lines, whichever cell's thread logs
+        with printing:
+            _log(msg)
+
+    log = log_line
     cells = spec.cells()
     configs = {c.name: resolve_cell(spec, c) for c in cells}  # every cell's flags checked before any runs
     params = {}
-    counts = {"cells": len(cells), "skipped": 0, "ran": 0, "ok": 0, "diverged": 0, "failed": 0, "left": 0}
+    counts = {"cells": len(cells), "skipped": 0, "ran": 0, "ok": 0, "diverged": 0, "failed": 0, "left": 0, "busy": 0}
+    todo = []
+    for i, cell in enumerate(cells, 1):
+        tag = f"[lr-sweep] {i}/{len(cells)} {cell.name}"
+        if finished(spec, cell, out, retry_failed):
+            counts["skipped"] += 1
+            log(f"{tag}: skipped (finished)")
+        elif max_cells is not None and len(todo) >= max_cells:
+            counts["left"] += 1
+        else:
+            todo.append((tag, cell))
+    for _, cell in todo:
+        if cell.width not in params:
+            params[cell.width] = param_count(configs[cell.name])
+    stop = _Stop()
+    # N cells at once share the cores (unless the user chose OMP_NUM_THREADS): torch would give each all of them
+    threads = None if jobs <= 1 or "OMP_NUM_THREADS" in os.environ else max(1, (os.cpu_count() or 1) // jobs)
 
-    def stop(signum, frame):
+    def one(tag: str, cell: Cell):
+        with cell_lock(out, cell) as mine:
+            if not mine:
+                return None
+            if finished(spec, cell, out, retry_failed):
+                return ELSEWHERE
+            log(f"{tag}: running ({params[cell.width]:,} parameters)")
+            return run_cell(spec, cell, out, params[cell.width], stop, threads)
+
+    def signalled(signum, frame):
         raise SweepInterrupted(f"received signal {signum}")
 
-    previous = signal.signal(signal.SIGTERM, stop) if _main_thread() else None
+    previous = signal.signal(signal.SIGTERM, signalled) if _main_thread() else None
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="lr-sweep-cell")
     try:
-        for i, cell in enumerate(cells, 1):
-            tag = f"[lr-sweep] {i}/{len(cells)} {cell.name}"
-            if finished(spec, cell, out, retry_failed):
-                counts["skipped"] += 1
-                log(f"{tag}: skipped (finished)")
-                continue
-            if max_cells is not None and counts["ran"] >= max_cells:
-                counts["left"] += 1
-                continue
-            if cell.width not in params:
-                params[cell.width] = param_count(configs[cell.name])
-            log(f"{tag}: running ({params[cell.width]:,} parameters)")
-            res = run_cell(spec, cell, out, params[cell.width])
-            counts["ran"] += 1
-            counts[res["status"]] += 1
-            loss = res["final_eval_loss"] if res["final_eval_loss"] is not None else res["final_train_loss"]
-            shown = f"loss {loss:.4f}" if loss is not None else "no finite loss"
-            log(f"{tag}: {res['status']} ({shown}, {res['wall_s']:.1f}s)"
-                + (f"; see {cell_dir(out, cell) / 'cell.log'}" if res["status"] == "failed" else ""))
-            if on_result is not None:
-                on_result()
+        pending = {pool.submit(one, tag, cell): (tag, cell) for tag, cell in todo}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: pending[f][0]):
+                tag, cell = pending.pop(fut)
+                res = fut.result()  # a cell's SweepInterrupted stops the sweep here
+                if res is None:
+                    counts["busy"] += 1
+                    log(f"{tag}: skipped (another lr-sweep on this --out is running it)")
+                    continue
+                if res is ELSEWHERE:
+                    counts["skipped"] += 1
+                    log(f"{tag}: skipped (finished by another lr-sweep)")
+                    continue
+                counts["ran"] += 1
+                counts[res["status"]] += 1
+                loss = res["final_eval_loss"] if res["final_eval_loss"] is not None else res["final_train_loss"]
+                shown = f"loss {loss:.4f}" if loss is not None else "no finite loss"
+                log(f"{tag}: {res['status']} ({shown}, {res['wall_s']:.1f}s)"
+                    + (f"; see {cell_dir(out, cell) / 'cell.log'}" if res["status"] == "failed" else ""))
+                if on_result is not None:
+                    on_result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        stop.all()
+        raise
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if counts["left"]:
         log(f"[lr-sweep] stopped after {max_cells} new cells (--max-cells); {counts['left']} left: rerun to continue")
+    if counts["busy"]:
+        log(f"[lr-sweep] {counts['busy']} cells were running in another lr-sweep: rerun when it is done to "
+            "include them")
     return counts
 
 

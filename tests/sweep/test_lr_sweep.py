@@ -112,6 +112,7 @@ def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
     (["--steps", "0"], "--steps"),
     (["--extend-edges", "-1"], "--extend-edges must be >= 0"),
     (["--k-step", "0"], "--k-step must be >= 1"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
     (["--extend-edges", "2"], "--extend-edges needs the results of the grid"),  # with --dry-run
     (["--", "--hidden-size", "64"], "use lr-sweep --widths"),
     (["--", "--matrix-lr", "0.1"], "carries the swept LR of muon_md"),
@@ -248,6 +249,82 @@ def test_tiny_sweep_resumes_after_interruption_and_writes_csv_and_png(tmp_path):
     opt = rows(out / "optima.csv")
     assert len(opt) == 4 and all(r["inside_grid"] == "false" for r in opt)  # 2 LRs: the optimum is an edge
     assert (out / "lr_transfer.png").read_bytes()[:4] == b"\x89PNG" and (out / "lr_transfer.csv").exists()
+
+
+def _cell_names(grid: list[str]) -> list[str]:
+    dry = run_cli(grid + ["--dry-run", "--", *TINY], timeout=120).stdout
+    return [line.split("--run-dir ")[1].split("/cells/")[1].split()[0] for line in dry.splitlines()
+            if "--run-dir " in line]
+
+
+def test_jobs_run_cells_at_once_and_leave_a_cell_another_sweep_runs_alone(tmp_path):
+    import fcntl
+
+    out = tmp_path / "sweep"
+    grid = ["lr-sweep", "--model", "tiny-dense", "--out", str(out), "--widths", "32", "--lrs", "2", "--seeds", "1,2",
+            "--steps", "3", "--optimizers", "adamw", "--no-plot"]
+    names = _cell_names(grid)
+    assert len(names) == 4
+    # another sweep is running names[1]: its lock is held and its directory holds a partial run
+    partial = out / "cells" / names[1] / "metrics.jsonl"
+    partial.parent.mkdir(parents=True)
+    partial.write_text('{"iteration": 1, "lm_loss": 6.0}\n')
+    (out / runner.LOCKS).mkdir(parents=True)
+    with open(out / runner.LOCKS / f"{names[1]}.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        first = run_cli(grid + ["--jobs", "2", "--", *TINY], timeout=300)
+    events = [x.split(": ")[1].split(" (")[0] for x in first.stdout.splitlines()
+              if x.startswith("[lr-sweep] ") and "/4 " in x and (": running (" in x or ": ok (" in x)]
+    assert events[:2] == ["running", "running"]  # two cells started before either ended
+    assert first.stdout.count(": ok (") == 3
+    assert f"{names[1]}: skipped (another lr-sweep on this --out is running it)" in first.stdout
+    assert "1 cells were running in another lr-sweep" in first.stdout
+    assert partial.read_text() == '{"iteration": 1, "lm_loss": 6.0}\n'  # not wiped
+    assert len(rows(out / "results.csv")) == 3
+    # the other sweep is gone (its lock released): a rerun runs that cell and skips the rest
+    second = run_cli(grid + ["--jobs", "2", "--", *TINY], timeout=300)
+    assert second.stdout.count("skipped (finished)") == 3 and second.stdout.count(": ok (") == 1
+    assert len(rows(out / "results.csv")) == 4
+
+
+def test_a_signal_stops_every_running_cell_and_records_none(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "sweep"
+    argv = ["lr-sweep", "--model", "tiny-dense", "--out", str(out), "--widths", "32", "--lrs", "2", "--steps", "2000",
+            "--optimizers", "adamw", "--no-plot", "--jobs", "2", "--", *TINY]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_md.cli", *argv], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "".join(seen).count(": running (") == 2:
+                break
+        time.sleep(3)  # both trainers past their start-up
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(seen) + rest
+    assert proc.returncode == 130, text
+    assert "interrupted" in text and not list(out.glob("cells/*/result.json"))  # neither recorded as failed
+    assert not processes_mentioning(str(out))  # the trainers were stopped, not orphaned
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (from /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_extend_edges_runs_until_the_optimum_is_inside(tmp_path):
