@@ -243,12 +243,18 @@ def test_render_records_blocks(tmp_path):
     assert render.main(args + ["--check"]) == 0
 
 
+def _newer_at_width_256(old: Path) -> Path:
+    """A copy of an lr-transfer record one month newer, its width-64 rows moved to width 256."""
+    newer = old.parent / "2026-02-01-lr-transfer"
+    shutil.copytree(old, newer)
+    (newer / "results.csv").write_text((old / "results.csv").read_text().replace(",64,", ",256,"))
+    return newer
+
+
 def test_render_writes_each_records_own_readme(tmp_path):
     render = _load_renderer()
     old = _transfer_record(tmp_path, {64: 12, 128: 12})
-    newer = tmp_path / "records" / "2026-02-01-lr-transfer"
-    shutil.copytree(old, newer)
-    (newer / "results.csv").write_text((old / "results.csv").read_text().replace(",64,", ",256,"))
+    newer = _newer_at_width_256(old)
     abl = _ablation_record(tmp_path, {"rowcol": 4.80, "none": 4.95})
     blocks = "<!-- BEGIN record_summary -->\nSTALE\n<!-- END record_summary -->\n\n" \
              "<!-- BEGIN record_claims -->\nSTALE\n<!-- END record_claims -->\n"
@@ -271,9 +277,7 @@ def test_render_writes_each_records_own_readme(tmp_path):
 def test_a_record_in_progress_is_passed_over(tmp_path):
     render = _load_renderer()
     done = _transfer_record(tmp_path, {64: 12, 128: 12})
-    running = tmp_path / "records" / "2026-02-01-lr-transfer"
-    shutil.copytree(done, running)
-    (running / "results.csv").write_text((done / "results.csv").read_text().replace(",64,", ",256,"))
+    running = _newer_at_width_256(done)
     assert R.latest(tmp_path, "lr-transfer") == running
     (running / R.IN_PROGRESS).write_text("width 512 to run\n")
     assert R.latest(tmp_path, "lr-transfer") == done
