@@ -73,6 +73,10 @@ class Best:
     n_lrs: int
     kind: str
     lrs: list = field(default_factory=list)
+    # k of the minimum of the parabola through the best LR and its two neighbours (seed means); None on an edge.
+    # On a grid coarser than the √2 ladder it places the optimum between grid points.
+    vertex_k: Optional[float] = None
+    spacing: Optional[float] = None  # smallest k step between the LRs every seed ran
 
     @property
     def se(self) -> float:
@@ -103,9 +107,29 @@ def best_per_curve(rows: list[dict]) -> dict[tuple, Best]:
         lr = min(lrs, key=lambda x: means[x])
         found = math.isfinite(means[lr])
         k = round(k_of_lr(lr), 3) if found else None
+        inside = found and lrs[0] < lr < lrs[-1]
+        ks = [k_of_lr(x) for x in lrs]
+        vertex = None
+        if inside:
+            i = lrs.index(lr)
+            vertex = parabola_vertex([(ks[j], means[lrs[j]]) for j in (i - 1, i, i + 1)])
         out[key] = Best(*key, lr=lr if found else None, k=k, mean=means[lr], std=_std(by_lr[lr]) if found else math.nan,
-                        n=len(by_lr[lr]), inside=found and lrs[0] < lr < lrs[-1], n_lrs=len(lrs), kind=kind, lrs=lrs)
+                        n=len(by_lr[lr]), inside=inside, n_lrs=len(lrs), kind=kind, lrs=lrs,
+                        vertex_k=None if vertex is None else round(vertex, 3),
+                        spacing=round(min(b - a for a, b in zip(ks, ks[1:])), 3) if len(ks) > 1 else None)
     return out
+
+
+def parabola_vertex(points: list[tuple[float, float]]) -> Optional[float]:
+    """x of the extremum of the parabola through three (x, y) points; None when they are collinear or a
+    neighbour is not finite."""
+    (a, fa), (b, fb), (c, fc) = points
+    if not all(math.isfinite(f) for f in (fa, fb, fc)):
+        return None
+    den = (b - a) * (fb - fc) - (b - c) * (fb - fa)
+    if den == 0:
+        return None
+    return b - 0.5 * ((b - a) ** 2 * (fb - fc) - (b - c) ** 2 * (fb - fa)) / den
 
 
 def compare(a: Best, b: Best) -> tuple[str, float, float]:
@@ -287,12 +311,17 @@ def lr_transfer_claims(record: Path, rel: str) -> list[Claim]:
         if opt not in best or len(best[opt]) < 2:
             continue
         curves = [best[opt][w] for w in sorted(best[opt])]
-        ks = [c.k for c in curves]
+        # On a grid coarser than √2 (k steps of 2: factor-2 LRs) the arg-min moves in whole grid steps, so the
+        # optimum is placed by the parabola through the arg-min and its neighbours (decided before those records ran)
+        coarse = any((c.spacing or 1) > 1 for c in curves)
+        ks = [c.vertex_k if coarse else c.k for c in curves]
         if any(k is None for k in ks) or not all(c.inside for c in curves):
             verdict = INCONCLUSIVE  # an optimum on the grid's edge (or none) is not located
         else:
             verdict = HELD if max(abs(k - ks[0]) for k in ks) <= 1 else NOT_HELD
-        shown = ", ".join(f"w{c.width}: k={c.k:g}" if c.k is not None else f"w{c.width}: none" for c in curves)
+        shown = ", ".join((f"w{c.width}: k={c.k:g}" + (f" (parabola {c.vertex_k:.2f})" if coarse and c.vertex_k
+                                                        is not None else "")) if c.k is not None else
+                          f"w{c.width}: none" for c in curves)
         others = []
         for o in ("adamw", "muon"):
             if o in best and len(best[o]) > 1:

@@ -107,6 +107,28 @@ def test_lr_transfer_claims(tmp_path):
     assert R.lr_transfer_claims(rec, "rec")[1].verdict == R.INCONCLUSIVE
 
 
+def test_on_a_factor_2_grid_the_transfer_claim_places_each_optimum_by_its_parabola(tmp_path):
+    assert R.parabola_vertex([(9, 1.0), (11, 0.0), (13, 1.0)]) == 11.0
+    assert R.parabola_vertex([(0, 4.0), (1, 1.0), (2, 0.0)]) is not None  # not inside: still the formula's x
+    assert R.parabola_vertex([(0, 1.0), (1, 1.0), (2, 1.0)]) is None
+
+    def record(d: Path, minima: dict) -> Path:
+        rec = d / "records" / "2026-01-01-lr-transfer"
+        rec.mkdir(parents=True)
+        rows = []
+        for w, k_min in minima.items():  # the same seed offset at every LR, so the means are an exact parabola
+            rows += _bowl("muon_md", w, k_min, 4.8, (9, 11, 13, 15), seeds=(1, 2, 3))
+        write_csv(rec / "results.csv", rows, RESULT_COLUMNS)
+        return rec
+
+    # arg-min moves a whole factor-2 step (k=13 -> 11) while the optimum moves 0.8 of a √2 step: held
+    (claim,) = R.lr_transfer_claims(record(tmp_path / "a", {64: 12.4, 256: 11.6}), "rec")
+    assert claim.verdict == R.HELD, claim.evidence
+    assert "w64: k=13 (parabola 12.40)" in claim.evidence and "w256: k=11 (parabola 11.60)" in claim.evidence
+    (claim,) = R.lr_transfer_claims(record(tmp_path / "b", {64: 13.0, 256: 11.2}), "rec")
+    assert claim.verdict == R.NOT_HELD, claim.evidence
+
+
 def _ablation_record(tmp: Path, losses: dict) -> Path:
     rec = tmp / "records" / "2026-01-01-md-ablations"
     for name, base in losses.items():
