@@ -10,6 +10,8 @@ the lowest seed mean among the LRs every seed ran (``results.full_seed_points``)
   and evaluation text, so most of its offset cancels).
 
 ``bends`` holds when both neighbours exist and each rises by at least ``2 se`` (the stricter, unpaired one).
+The neighbours are the LRs a factor 2 (``STEP``) below and above the optimum, whatever else the curve ran: a
+finer point added near the optimum can move the optimum but never shrinks the step the rise is measured over.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import defaultdict
 from megatron_md.sweep.results import full_seed_points, group_key, loss_kind, loss_of
 
 SIGMAS = 2.0
+STEP = 2.0  # one grid step: a factor 2 in LR
 
 
 def _se_unpaired(a: list[float], b: list[float]) -> float:
@@ -60,8 +63,11 @@ def curvature(rows: list[dict]) -> list[dict]:
         pts = full_seed_points([(lr, statistics.fmean(s.values()), 0, 0, len(s)) for lr, s in sorted(by_lr.items())])
         lrs = [p[0] for p in pts]
         i = min(range(len(pts)), key=lambda j: pts[j][1])
-        lower = side(by_lr[lrs[i]], by_lr[lrs[i - 1]] if i > 0 else None)
-        upper = side(by_lr[lrs[i]], by_lr[lrs[i + 1]] if i + 1 < len(lrs) else None)
+
+        def at(lr: float):
+            return next((by_lr[x] for x in lrs if math.isclose(x, lr, rel_tol=1e-3)), None)
+        lower = side(by_lr[lrs[i]], at(lrs[i] / STEP))
+        upper = side(by_lr[lrs[i]], at(lrs[i] * STEP))
         bends = all(s is not None and s["rise"] >= SIGMAS * s["se"] for s in (lower, upper))
         optimizer, width, warmup, wd = key
         out.append({"optimizer": optimizer, "width": width, "warmup": warmup, "weight_decay": wd,

@@ -28,4 +28,6 @@ sweep --widths 64 --seeds 1,2,3,4,5 --optimizers adamw --k-range adamw=6:10
 sweep --widths 64 --seeds 1,2,3,4,5 --optimizers muon --k-range muon=2:8 -- --muon-fp32-matmul-prec highest
 # With 5 seeds AdamW's width-64 curve still rose by only 1.5 and 1.3 unpaired SE (seed std ~0.04): seeds 6-10.
 sweep --widths 64 --seeds 1,2,3,4,5,6,7,8,9,10 --optimizers adamw --k-range adamw=6:10
+# Muon's width-64 optimum sat between k=4 and k=6 (equal within 0.3 SE): the points halfway (k=3, 5, 7).
+sweep --widths 64 --seeds 1,2,3,4,5 --optimizers muon --k-range muon=3:7 -- --muon-fp32-matmul-prec highest
 .venv/bin/python tools/probe_curvature.py "$OUT/results.csv"

@@ -41,3 +41,15 @@ def test_lrs_not_every_seed_ran_are_not_optima():
     rows = _rows({0.05: [3.2, 3.2], 0.1: [3.1, 3.12], 0.2: [3.3, 3.31]}) + _rows({0.4: [2.0]})
     (e,) = curvature(rows)
     assert e["best_lr"] == 0.1 and e["upper"]["rise"] > 0
+
+
+def test_the_rise_is_measured_a_factor_2_away_even_with_finer_points_near_the_optimum():
+    # √2 points between the factor-2 ones: the optimum may move to one of them, the neighbours stay a factor 2 away
+    r2 = math.sqrt(2)
+    losses = {0.05: [3.30, 3.31], 0.05 * r2: [3.05, 3.06], 0.1: [3.00, 3.01], 0.1 * r2: [3.04, 3.05],
+              0.2: [3.25, 3.26]}
+    (e,) = curvature(_rows(losses))
+    assert e["best_lr"] == 0.1 and math.isclose(e["lower"]["rise"], 0.30) and math.isclose(e["upper"]["rise"], 0.25)
+    del losses[0.05]
+    (e,) = curvature(_rows(losses))
+    assert e["lower"] is None and not e["bends"]  # the √2 neighbour below does not stand in for the factor 2
