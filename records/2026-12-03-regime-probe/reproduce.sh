@@ -30,4 +30,6 @@ sweep --widths 64 --seeds 1,2,3,4,5 --optimizers muon --k-range muon=2:8 -- --mu
 sweep --widths 64 --seeds 1,2,3,4,5,6,7,8,9,10 --optimizers adamw --k-range adamw=6:10
 # Muon's width-64 optimum sat between k=4 and k=6 (equal within 0.3 SE): the points halfway (k=3, 5, 7).
 sweep --widths 64 --seeds 1,2,3,4,5 --optimizers muon --k-range muon=3:7 -- --muon-fp32-matmul-prec highest
+# Muon's width-256 curve is flat from k=2 to k=4 (0.007 apart) and steep above: the points halfway (k=1, 3, 5).
+sweep --widths 256 --seeds 1,2,3 --optimizers muon --k-range muon=1:5 -- --muon-fp32-matmul-prec highest
 .venv/bin/python tools/probe_curvature.py "$OUT/results.csv"
