@@ -123,7 +123,7 @@ def plot_ablations(record: Path, out_png: Path) -> Path:
 
     from megatron_md.sweep.results import curves, read_csv
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     paths = sorted(Path(record).glob("variants/*/results.csv"))
     if not paths:
         raise ValueError(f"{record}: no variants/*/results.csv")
@@ -135,12 +135,14 @@ def plot_ablations(record: Path, out_png: Path) -> Path:
                 found.append((i, path.parent.name, good))
     off, (lo, hi) = off_scale([g for _, _, g in found])
     for j, (i, name, good) in enumerate(found):
-        colour = plt.get_cmap("tab10")(i % 10)
+        # a dozen variants: tab20's 20 colours, and every other curve dashed so that neighbours differ twice
+        colour, style = plt.get_cmap("tab20")(i % 20), ("-", "--")[i % 2]
         best = min(good, key=lambda p: p[1])
         if j in off:
-            ax.plot([], [], marker="o", color=colour, label=f"{name} (off scale: best {best[1]:.3f})")
+            ax.plot([], [], marker="o", color=colour, linestyle=style, label=f"{name} (off scale: best {best[1]:.3f})")
             continue
-        ax.plot([p[0] for p in good], [p[1] for p in good], marker="o", ms=3.5, color=colour, label=name)
+        ax.plot([p[0] for p in good], [p[1] for p in good], marker="o", ms=3.5, color=colour, linestyle=style,
+                lw=2.5 if name == "rowcol" else 1.2, label=name)
         ax.plot([best[0]], [best[1]], marker="*", ms=13, color=colour, mec="black", mew=0.7, linestyle="none")
     if found:
         ax.set_ylim(lo, hi)
@@ -149,7 +151,7 @@ def plot_ablations(record: Path, out_png: Path) -> Path:
     ax.set_ylabel(f"final {kind} loss (mean over seeds)")
     ax.set_title("MuonMD ablations (* = optimum per variant)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)

@@ -332,6 +332,16 @@ def lr_transfer_claims(record: Path, rel: str) -> list[Claim]:
     return claims
 
 
+def same_regime(a: Path, b: Path, width: int) -> bool:
+    """Whether two sweep directories trained the same model for as long at ``width``: equal parameter counts
+    (architecture and vocabulary) and step counts. A claim across records compares losses only within one
+    regime (the first CPU regime's width-64 model has 771k parameters, the second's 313k)."""
+    def regime(d: Path) -> set:
+        return {(r["params"], r["steps"]) for r in read_csv(d / "results.csv") if r["width"] == width}
+    ra = regime(a)
+    return bool(ra) and ra == regime(b)
+
+
 def ablation_claims(record: Path, rel: str, transfer: Optional[Path] = None) -> list[Claim]:
     v = ablations(record)
     claims = []
@@ -353,8 +363,9 @@ def ablation_claims(record: Path, rel: str, transfer: Optional[Path] = None) -> 
         verdict, text = pair("rowcol", "none")
         claims.append(Claim("MuonMD < Muon+sphere (no gains)", verdict, text, rel))
     if transfer is not None and "none" in v:
-        muon = lr_transfer(transfer).get("muon", {}).get(v["none"].width)
-        if muon is not None:
+        width = v["none"].width
+        muon = lr_transfer(transfer).get("muon", {}).get(width)
+        if muon is not None and same_regime(Path(record) / "variants" / "none", Path(transfer), width):
             verdict, gap, noise = compare(v["none"], muon)
             claims.append(Claim("Muon+sphere (no warmup, no weight decay) < Muon (warmup, weight decay 0.1)", verdict,
                                 _gap("Muon−(Muon+sphere)", verdict, gap, noise), rel))

@@ -151,6 +151,22 @@ def test_ablation_claims(tmp_path):
     assert R.ablation_claims(rec2, "rec")[0].verdict == R.HELD
 
 
+def test_sphere_against_muon_only_within_one_regime(tmp_path):
+    # Muon+sphere (the "none" variant, 4.95) against the LR-transfer record's Muon at the same width (4.90)
+    abl = _ablation_record(tmp_path, {"rowcol": 4.80, "none": 4.95})
+    transfer = _transfer_record(tmp_path, {128: 12})
+    claim = "Muon+sphere (no warmup, no weight decay) < Muon (warmup, weight decay 0.1)"
+    claims = {c.claim: c for c in R.ablation_claims(abl, "rec", transfer)}
+    assert claims[claim].verdict == R.NOT_HELD and "Muon−(Muon+sphere) -0.0500" in claims[claim].evidence
+    # the same width in another regime (another model size, as the first CPU records' vocabulary 4096 gives):
+    # no comparison across regimes
+    rows = read_csv(transfer / "results.csv")
+    write_csv(transfer / "results.csv", [{**r, "params": 2000} for r in rows], RESULT_COLUMNS)
+    assert claim not in {c.claim for c in R.ablation_claims(abl, "rec", transfer)}
+    write_csv(transfer / "results.csv", [{**r, "steps": 600} for r in rows], RESULT_COLUMNS)
+    assert claim not in {c.claim for c in R.ablation_claims(abl, "rec", transfer)}
+
+
 def test_ablation_claims_with_flat_gains_and_weight_decay(tmp_path):
     rec = _ablation_record(tmp_path, {"rowcol": 4.80, "row": 4.85, "col": 4.86, "flat": 4.90, "none": 4.95,
                                       "wd-0.1": 4.8001})
