@@ -401,10 +401,10 @@ def render_manifold(repo: Path, rec: Path | None = None) -> str:
     return "\n".join(out) if out else _no_record("manifold-geometry")
 
 
-def render_regime_probe(repo: Path) -> str:
+def render_regime_probe(repo: Path, rec: Path | None = None) -> str:
     """How far each probed curve rises one grid step either side of its optimum (megatron_md/sweep/curvature.py)."""
     R = _records()
-    rec = R.latest(repo, "regime-probe")
+    rec = rec or R.latest(repo, "regime-probe")
     if rec is None:
         return _no_record("regime-probe")
     from megatron_md.sweep.curvature import curvature, curvature_markdown
@@ -496,7 +496,8 @@ def render(readme_text: str, repo: Path, names=None) -> str:
 
 
 RECORD_KINDS = {"lr-transfer": render_lr_transfer, "md-ablations": render_md_ablations,
-                "manifold-geometry": render_manifold}
+                "manifold-geometry": render_manifold, "regime-probe": render_regime_probe}
+CLAIM_KINDS = ("lr-transfer", "md-ablations", "manifold-geometry")  # a probe judges no claim of the papers
 
 
 def record_kind(name: str):
@@ -511,7 +512,8 @@ def render_record(readme_text: str, repo: Path, rec: Path) -> str:
         raise MarkersMissing(f"{rec.name} does not end with one of -{', -'.join(RECORD_KINDS)}")
     readme_text = splice(readme_text, "record_summary", RECORD_KINDS[kind](repo, rec))
     newest = _records().latest(repo, kind)
-    if newest is not None and newest.resolve() == rec.resolve():  # claims are judged on the newest of each kind
+    if kind in CLAIM_KINDS and newest is not None and newest.resolve() == rec.resolve():
+        # claims are judged on the newest of each kind
         readme_text = splice(readme_text, "record_claims", render_claims(repo, only=newest))
     return readme_text
 

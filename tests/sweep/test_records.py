@@ -325,6 +325,24 @@ def test_a_record_in_progress_is_passed_over(tmp_path):
     assert R.latest(tmp_path, "lr-transfer") is None
 
 
+def test_probe_record_readme_gets_its_curvature_table_and_no_claims(tmp_path):
+    render = _load_renderer()
+    probe = tmp_path / "records" / "2026-01-01-regime-probe"
+    probe.mkdir(parents=True)
+    # muon_md bends (0.05 per k² with 0.001 seed spread); adamw's bowl is too shallow for its 0.03 seed spread
+    rows = _bowl("muon_md", 64, 12, 3.0, range(8, 17, 2)) + _bowl("adamw", 64, 8, 3.1, range(4, 13, 2),
+                                                                   curvature=0.0005, noise=0.03)
+    write_csv(probe / "results.csv", rows, RESULT_COLUMNS)
+    (probe / "README.md").write_text("# probe\n\n<!-- BEGIN record_summary -->\n<!-- END record_summary -->\n")
+    main = tmp_path / "README.md"
+    main.write_text("".join(f"<!-- BEGIN {n} -->\n<!-- END {n} -->\n" for n in render.BLOCKS))
+    assert render.main(["--readme", str(main), "--repo", str(tmp_path)]) == 0
+    text = (probe / "README.md").read_text()
+    assert "| muon_md | 64 |" in text and "**yes**" in text.split("| muon_md | 64 |")[1].splitlines()[0]
+    assert "| adamw | 64 |" in text and "| no |" in text.split("| adamw | 64 |")[1].splitlines()[0]
+    assert "claim" not in text and text == render.render_record(text, tmp_path, probe)
+
+
 def test_render_without_records(tmp_path):
     render = _load_renderer()
     assert "No `records/*-lr-transfer` yet" in render.render_lr_transfer(tmp_path)
