@@ -32,4 +32,14 @@ sweep --widths 64 --seeds 1,2,3,4,5,6,7,8,9,10 --optimizers adamw --k-range adam
 sweep --widths 64 --seeds 1,2,3,4,5 --optimizers muon --k-range muon=3:7 -- --muon-fp32-matmul-prec highest
 # Muon's width-256 curve is flat from k=2 to k=4 (0.007 apart) and steep above: the points halfway (k=1, 3, 5).
 sweep --widths 256 --seeds 1,2,3 --optimizers muon --k-range muon=1:5 -- --muon-fp32-matmul-prec highest
+# MuonMD's width-256 upper side rose 1.9 SE with 3 seeds: seeds 4 and 5 at its optimum and both neighbours.
+sweep --widths 256 --seeds 1,2,3,4,5 --optimizers muon_md --k-range muon_md=9:13 -- --lr 3e-3 --embedding-lr 3e-3
+# AdamW's width-64 upper side still rose only 1.7 SE with 10 seeds: the halfway points (k=7, 9), then a last
+# stage of seeds 11-15 at its optimum and neighbours (declared the last before it ran; the result is kept as is).
+sweep --widths 64 --seeds 1,2,3,4,5,6,7,8,9,10 --optimizers adamw --k-range adamw=7:9 --extend-edges 0
+sweep --widths 64 --seeds 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15 --optimizers adamw --k-range adamw=6:10 --extend-edges 0
+# AdamW's width-256 upper side rose 1.0 SE: the halfway points (k=5, 7), which moved the optimum to k=7, then its
+# upper neighbour k=9 and seeds 4 and 5 at k=5, 7, 9 (the last stage).
+sweep --widths 256 --seeds 1,2,3 --optimizers adamw --k-range adamw=5:7 --extend-edges 0
+sweep --widths 256 --seeds 1,2,3,4,5 --optimizers adamw --k-range adamw=5:9 --extend-edges 0
 .venv/bin/python tools/probe_curvature.py "$OUT/results.csv"

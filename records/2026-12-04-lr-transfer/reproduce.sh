@@ -24,6 +24,11 @@ run_width() {  # width, seeds, then the start ranges of muon_md, adamw and muon
 }
 run_width 64 1,2,3 11:15 2:6 4:8
 run_width 256 1,2,3 9:13 4:8 2:6
+# The probe's halfway points (k odd for AdamW and Muon), where its curves were flat at the factor-2 grid:
+sweep --widths 64 --seeds 1,2,3 --optimizers adamw --k-range adamw=7:9 --extend-edges 0
+sweep --widths 64 --seeds 1,2,3 --optimizers muon --k-range muon=3:7 --extend-edges 0 -- "${NS32[@]}"
+sweep --widths 256 --seeds 1,2,3 --optimizers adamw --k-range adamw=5:9 --extend-edges 0
+sweep --widths 256 --seeds 1,2,3 --optimizers muon --k-range muon=1:5 --extend-edges 0 -- "${NS32[@]}"
 run_width 128 1,2,3 11:15 4:8 2:6
 run_width 512 1,2 9:13 2:6 0:4
 .venv/bin/python tools/plot_lr_transfer.py "$OUT/results.csv"
