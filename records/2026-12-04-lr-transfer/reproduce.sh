@@ -30,5 +30,5 @@ sweep --widths 64 --seeds 1,2,3 --optimizers muon --k-range muon=3:7 --extend-ed
 sweep --widths 256 --seeds 1,2,3 --optimizers adamw --k-range adamw=5:9 --extend-edges 0
 sweep --widths 256 --seeds 1,2,3 --optimizers muon --k-range muon=1:5 --extend-edges 0 -- "${NS32[@]}"
 run_width 128 1,2,3 11:15 4:8 2:6
-run_width 512 1,2 9:13 2:6 0:4
+run_width 512 1,2 9:13 5:9 1:5  # around width 256's optima (k=11, 7, 3)
 .venv/bin/python tools/plot_lr_transfer.py "$OUT/results.csv"
