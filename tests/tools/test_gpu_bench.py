@@ -183,6 +183,29 @@ def test_budget_leaves_later_sections_their_floor(bench):
     assert bench.Bench.timeout_for(Clock(30), "train", later) == 30  # nor over what is left
 
 
+def test_knobs_are_best_effort(bench):
+    """No section is cut short to keep the knobs' floors: they run last on whatever time is left."""
+    class Clock:
+        left = 100.0
+
+        def remaining(self):
+            return self.left
+
+    assert bench.Bench.timeout_for(Clock(), "train", ["knobs", "knobs", "knobs"]) == 90
+    assert bench.Bench.timeout_for(Clock(), "train", ["moe"]) == 55
+
+
+def test_default_budget_holds_every_reserved_floor(bench):
+    """The default run's sections (4 dense optimizers, 2 MoE) reserve less than the default budget, leaving
+    room above the floors: a first section that compiles (torch.compile) is not held to its floor."""
+    args = bench.parse_args([])
+    kinds = ["gemm"] + ["train"] * len(args.optimizers.split(",")) + ["save_resume"] + \
+        ["moe"] * len(args.moe_optimizers.split(","))
+    reserved = sum(bench.BUDGET[k][1] for k in kinds)
+    assert reserved + 100 <= args.budget_s, (reserved, args.budget_s)
+    assert all(k in bench.BUDGET for k in bench.BEST_EFFORT)
+
+
 def test_peak_by_device_name(bench):
     assert bench.peak_for("NVIDIA H200") == 989.4
     assert bench.peak_for("NVIDIA H100 PCIe") == 756.0
