@@ -70,6 +70,14 @@ def parser() -> argparse.ArgumentParser:
                    help="Run N cells at once, each with cores/N threads unless OMP_NUM_THREADS is set "
                    "[default: 1]. Two lr-sweeps on the same --out also share the work: each skips the cells "
                    "the other is running.")
+    p.add_argument("--resume-cells", action="store_true",
+                   help="Each cell checkpoints into OUT/cells/<cell>/checkpoint when the sweep is stopped "
+                   "(SIGTERM, as a batch system's preemption sends) and a rerun continues an unfinished cell from "
+                   "there instead of restarting it (only with unchanged flags); the checkpoint is deleted once the "
+                   "cell has its result. For long cells. Local runs only.")
+    p.add_argument("--cell-save-interval", type=int, metavar="N",
+                   help="With --resume-cells: also checkpoint every N steps, so a cell killed outright (SIGKILL, "
+                   "power loss) loses at most N steps.")
     p.add_argument("--max-cells", type=int, help="Stop after running this many new cells (rerun to continue).")
     p.add_argument("--retry-failed", action="store_true", help="Rerun cells that failed (not diverged ones).")
     p.add_argument("--dry-run", action="store_true", help="Print every cell's command; run nothing.")
@@ -106,6 +114,12 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
         raise G.GridError(f"--k-step must be >= 1, got {a.k_step}")
     if getattr(a, "jobs", 1) < 1:
         raise G.GridError(f"--jobs must be >= 1, got {a.jobs}")
+    interval = getattr(a, "cell_save_interval", None)
+    if interval is not None and (interval < 1 or not getattr(a, "resume_cells", False)):
+        raise G.GridError(f"--cell-save-interval {interval}: give N >= 1, together with --resume-cells")
+    if getattr(a, "resume_cells", False) and (a.slurm_grid or a.collect or a.coord_check):
+        raise G.GridError("--resume-cells applies to cells this lr-sweep runs itself; drop it with "
+                          "--slurm-grid/--collect/--coord-check (slurm/lr_sweep.sbatch requeues whole cells)")
     if a.max_cells is not None and a.max_cells < 0:
         raise G.GridError(f"--max-cells must be >= 0, got {a.max_cells}")
     if getattr(a, "extend_edges", 0) < 0:
@@ -213,7 +227,8 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
     rc = 0
     try:
         counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
-                                  on_result=lambda: results.write_all(out), log=log, jobs=a.jobs)
+                                  on_result=lambda: results.write_all(out), log=log, jobs=a.jobs,
+                                  resume=a.resume_cells, save_interval=a.cell_save_interval)
         failed = counts["failed"]
         for round_ in range(1, a.extend_edges + 1):
             if counts["left"]:
@@ -224,7 +239,8 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
             log(f"[lr-sweep] extend-edges {round_}/{a.extend_edges}: optimum on the grid's edge; adding "
                 + ", ".join(sorted({f"{c.optimizer} w{c.width} lr {c.lr:.3g}" for c in new})))
             counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
-                                      on_result=lambda: results.write_all(out), log=log, jobs=a.jobs)
+                                      on_result=lambda: results.write_all(out), log=log, jobs=a.jobs,
+                                      resume=a.resume_cells, save_interval=a.cell_save_interval)
             failed += counts["failed"]
         if failed:
             log(f"[lr-sweep] {failed} cells failed (recorded as diverged; --retry-failed reruns them)")

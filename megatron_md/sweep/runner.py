@@ -5,7 +5,10 @@ and records the same train flags as now; finished cells are skipped, so a rerun 
 interrupted sweep stopped. A cell that exits 3 (too many non-finite steps), ends with a non-finite
 loss or fails is recorded (``diverged``), so it is not retried on every rerun (``--retry-failed``
 reruns the failed ones). An unfinished cell's directory is wiped before it runs again: the trainer
-appends to ``metrics.jsonl``.
+appends to ``metrics.jsonl``. With ``resume=True`` (``--resume-cells``) each cell checkpoints into its own
+directory when the sweep is stopped (the trainer saves on SIGTERM) and every ``save_interval`` steps; a rerun
+resumes an unfinished cell from that checkpoint (if its flags are unchanged) instead of restarting it, and the
+checkpoint is deleted once the cell has its result.
 
 ``--jobs N`` runs N cells at once. Each running cell holds an exclusive lock (``OUT/locks/<cell>.lock``,
 released by the kernel when its sweep dies), so two sweeps on the same OUT, or a sweep started while another
@@ -34,6 +37,8 @@ from megatron_md.sweep.grid import Cell, GridError, SweepSpec
 
 RESULT = "result.json"
 LOCKS = "locks"
+CHECKPOINT = "checkpoint"  # a resumable cell's checkpoint root, inside the cell's directory
+ATTEMPTS = "attempts.json"  # a resumable cell's train flags and each attempt's wall time
 ELSEWHERE = "finished elsewhere"  # a cell another sweep finished while this one waited to start it
 LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT")
 
@@ -115,19 +120,25 @@ def width_warnings(base: list[str], explicit: set[str]) -> list[str]:
 def summarize_metrics(run_dir: Path) -> dict:
     """Final train loss (mean of the last ~10% logged losses), final eval loss, iterations reached."""
     path = Path(run_dir) / "metrics.jsonl"
-    train, evals, last_it, skipped = [], [], 0, 0
+    # Keyed by iteration, the last record winning: a cell resumed from a checkpoint older than its last logged
+    # step logs those steps again (the resumed values are the ones the result continues from).
+    train_by, evals_by, skipped = {}, {}, 0
     if path.exists():
-        for line in path.read_text().splitlines():
+        for n, line in enumerate(path.read_text().splitlines()):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a run killed mid-write
+            it = rec.get("iteration", n)
             if "eval_lm_loss" in rec:
-                evals.append(rec["eval_lm_loss"])
+                evals_by[it] = rec["eval_lm_loss"]
             elif "lm_loss" in rec:
-                last_it = max(last_it, rec.get("iteration", 0))
-                skipped = rec.get("skipped_total", skipped)
-                train.append(rec["lm_loss"])
+                train_by[it] = (rec["lm_loss"], rec.get("skipped_total"))
+    train = [train_by[i][0] for i in sorted(train_by)]
+    evals = [evals_by[i] for i in sorted(evals_by)]
+    last_it = max(train_by, default=0)
+    if train_by:
+        skipped = train_by[last_it][1] or 0
     tail = train[-max(1, math.ceil(0.1 * len(train))):] if train else []
     final_train = _finite_mean(tail)
     final_eval = evals[-1] if evals and _finite(evals[-1]) else None
@@ -222,26 +233,51 @@ class _Stop:
                 proc.wait()
 
 
+def resumable_from(d: Path, args: list[str]) -> Optional[int]:
+    """The iteration an unfinished cell can resume from: its checkpoint's, when the cell was started with the
+    same train flags and has no result yet; None otherwise (the cell starts over)."""
+    from megatron_md.training.ckpt_integrity import LATEST
+
+    try:
+        attempts = json.loads((d / ATTEMPTS).read_text())
+        latest = int((d / CHECKPOINT / LATEST).read_text().strip())
+    except (OSError, ValueError, json.JSONDecodeError):
+        return None
+    if (d / RESULT).exists() or attempts.get("args") != args:
+        return None
+    return latest
+
+
 def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int, stop: Optional[_Stop] = None,
-             threads: Optional[int] = None) -> dict:
+             threads: Optional[int] = None, resume: bool = False, save_interval: Optional[int] = None) -> dict:
     """Train one cell (``threads``: its OMP_NUM_THREADS); return its result record (written to result.json)
-    or raise SweepInterrupted."""
+    or raise SweepInterrupted. ``resume``: checkpoint the cell (on SIGTERM, and every ``save_interval``
+    steps) and continue an unfinished one from its checkpoint."""
     stop = stop or _Stop()
     d = cell_dir(out, cell)
-    if d.exists():
-        shutil.rmtree(d)  # a run that never finished: its metrics would be appended to
-    d.mkdir(parents=True)
     args = spec.train_args(cell)
+    start = resumable_from(d, args) if resume else None
+    if d.exists() and start is None:
+        shutil.rmtree(d)  # a run that never finished: its metrics would be appended to
+    d.mkdir(parents=True, exist_ok=True)
+    run_args = args + ["--run-dir", str(d)]
+    attempts = {"args": args, "attempts": []}
+    if resume:
+        ckpt = str(d / CHECKPOINT)
+        run_args += ["--save", ckpt, "--load", ckpt] + (["--save-interval", str(save_interval)] if save_interval else [])
+        if start is not None:
+            attempts = json.loads((d / ATTEMPTS).read_text())
+        attempts["attempts"].append({"from_iteration": start or 0, "wall_s": None})
+        write_json_atomic(d / ATTEMPTS, attempts)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     env.setdefault("WANDB_SILENT", "true")
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     t0 = time.perf_counter()
-    with open(d / "cell.log", "w") as log:
-        log.write("$ megatron-md train " + shlex.join(args + ["--run-dir", str(d)]) + "\n")
+    with open(d / "cell.log", "a" if start is not None else "w") as log:
+        log.write("$ megatron-md train " + shlex.join(run_args) + "\n")
         log.flush()
-        proc = subprocess.Popen(_train_command(args + ["--run-dir", str(d)]), stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(_train_command(run_args), stdout=log, stderr=subprocess.STDOUT, env=env)
         stop.start(proc)
         try:
             rc = proc.wait()
@@ -250,9 +286,13 @@ def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int, stop: Optional
             raise
         finally:
             stop.done(proc)
+    wall = time.perf_counter() - t0
+    if resume:
+        attempts["attempts"][-1]["wall_s"] = round(wall, 3)
+        write_json_atomic(d / ATTEMPTS, attempts)
+        wall = sum(a["wall_s"] or 0.0 for a in attempts["attempts"])
     if stop.event.is_set():
         raise SweepInterrupted(f"cell {cell.name} stopped with the sweep")  # not a result: rerun it on resume
-    wall = time.perf_counter() - t0
     m = summarize_metrics(d)
     if rc == 0 and m["iterations"] < cell.steps:
         raise SweepInterrupted(f"cell {cell.name} stopped at iteration {m['iterations']} of {cell.steps} "
@@ -271,7 +311,10 @@ def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int, stop: Optional
         "diverged": status != "ok", "status": status, "returncode": rc, "wall_s": round(wall, 3),
         "iterations": m["iterations"], "skipped_total": m["skipped_total"], "args": args,
     }
+    if resume:
+        result["attempts"] = len(attempts["attempts"])
     write_json_atomic(d / RESULT, result)
+    shutil.rmtree(d / CHECKPOINT, ignore_errors=True)  # the result is what the sweep keeps; checkpoints are large
     return result
 
 
@@ -286,9 +329,10 @@ def finished(spec: SweepSpec, cell: Cell, out: Path, retry_failed: bool) -> Opti
 
 def run_sweep(spec: SweepSpec, out: Path, *, max_cells: Optional[int] = None, retry_failed: bool = False,
               on_result: Optional[Callable[[], None]] = None, log: Callable[[str], None] = print,
-              jobs: int = 1) -> dict:
+              jobs: int = 1, resume: bool = False, save_interval: Optional[int] = None) -> dict:
     """Run every unfinished cell in order, ``jobs`` at a time; stop after ``max_cells`` new ones. A cell another
-    sweep is running (its lock is held) is skipped and counted as ``busy``. Returns counts."""
+    sweep is running (its lock is held) is skipped and counted as ``busy``. ``resume``/``save_interval``: as
+    run_cell's. Returns counts."""
     printing = threading.Lock()
 
     def log_line(msg: str, _log=log) -> None:  # whole lines, whichever cell's thread logs
@@ -323,8 +367,10 @@ def run_sweep(spec: SweepSpec, out: Path, *, max_cells: Optional[int] = None, re
                 return None
             if finished(spec, cell, out, retry_failed):
                 return ELSEWHERE
-            log(f"{tag}: running ({params[cell.width]:,} parameters)")
-            return run_cell(spec, cell, out, params[cell.width], stop, threads)
+            start = resumable_from(cell_dir(out, cell), spec.train_args(cell)) if resume else None
+            log(f"{tag}: running ({params[cell.width]:,} parameters)"
+                + (f", resumed from its iteration {start}" if start is not None else ""))
+            return run_cell(spec, cell, out, params[cell.width], stop, threads, resume, save_interval)
 
     def signalled(signum, frame):
         raise SweepInterrupted(f"received signal {signum}")

@@ -5,7 +5,7 @@
 # (the 2026-12-01 record's LR), diagnostics (sigma_max, max logit) every 250 steps.
 # Rerun into runs/records/2026-12-03-manifold-geometry/lr0.1-15k-of-50k/<preset> (OUT=... to change; records/ is
 # never written). The layout is a manifold-geometry record's (<set>/<preset>/results.csv), which the claims read.
-# Resumable: finished cells are kept; a cell cut short restarts. About 50 minutes per cell on one core of two
+# Resumable: finished cells are kept; a stopped cell continues from its checkpoint (on SIGTERM, every 1000 steps). About 50 minutes per cell on one core of two
 # busy ones (3 presets x 2 seeds = 6 cells, ~5 core-hours); seeds go one at a time across the presets.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +16,8 @@ for seeds in 1 1,2; do
   for p in all-dgram hetero unconstrained; do
     .venv/bin/megatron-md lr-sweep --config "examples/manifold_paper/tiny-gpt2_${p}_cpu.yaml" \
       --corpus runs/records_data --out "$OUT/$SET/$p" --widths 64 --optimizers manifold_muon --lrs 0.1 \
-      --seeds "$seeds" --steps 15000 --warmups 1000 --log-interval 50 --no-plot -- \
+      --seeds "$seeds" --steps 15000 --warmups 1000 --log-interval 50 --no-plot \
+      --resume-cells --cell-save-interval 1000 -- \
       --lr-decay-iters 50000 --min-lr 3e-4 --diagnostics-interval 250 --eval-iters 32
   done
 done

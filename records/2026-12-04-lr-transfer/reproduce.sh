@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # LR transfer across width in the second CPU regime (records/2026-12-03-regime-probe): widths 64-512, AdamW and
 # Muon (10% warmup, weight decay 0.1) against MuonMD (neither), seeds 1-3 (width 512: 1-2).
-# Rerun into runs/records/2026-12-04-lr-transfer (OUT=... to change; records/ is never written). Resumable; two
-# cells at a time (--jobs 2). Each curve starts as three LRs a factor 2 apart around where the probe (or the next
+# Rerun into runs/records/2026-12-04-lr-transfer (OUT=... to change; records/ is never written). Resumable, a
+# stopped cell too (--resume-cells: it checkpoints on SIGTERM and every 25 steps); two cells at a time (--jobs 2). Each curve starts as three LRs a factor 2 apart around where the probe (or the next
 # smaller width) put its optimum, and --extend-edges walks it outwards until the optimum is strictly inside.
 # Cost per cell on one core of two busy ones: ~65 s at width 64, ~2.5 min at 128, 5.5 (AdamW) to 8 min at 256,
 # ~20 (AdamW) to ~40 min (Muon, MuonMD: Newton-Schulz grows as width^3) at 512.
@@ -13,7 +13,8 @@ OUT=${OUT:-runs/records/2026-12-04-lr-transfer}
 export OMP_NUM_THREADS=1
 sweep() {
   .venv/bin/megatron-md lr-sweep --config examples/lr_transfer/dense_cpu_sp512.yaml --corpus runs/records_data_sp512 \
-    --corpus-vocab 512 --out "$OUT" --log-interval 10 --no-plot --k-step 2 --extend-edges 3 --jobs 2 "$@"
+    --corpus-vocab 512 --out "$OUT" --log-interval 10 --no-plot --k-step 2 --extend-edges 3 --jobs 2 \
+    --resume-cells --cell-save-interval 25 "$@"
 }
 MDLR=(--lr 3e-3 --embedding-lr 3e-3)       # MuonMD's fixed non-matrix LRs at every width (the probe's)
 NS32=(--muon-fp32-matmul-prec highest)      # megatron's Muon with fp32 Newton-Schulz (the CPU default)

@@ -114,6 +114,9 @@ def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
     (["--k-step", "0"], "--k-step must be >= 1"),
     (["--jobs", "0"], "--jobs must be >= 1"),
     (["--extend-edges", "2"], "--extend-edges needs the results of the grid"),  # with --dry-run
+    (["--cell-save-interval", "50"], "--cell-save-interval 50: give N >= 1, together with --resume-cells"),
+    (["--resume-cells", "--cell-save-interval", "0"], "--cell-save-interval 0: give N >= 1"),
+    (["--resume-cells", "--slurm-grid", "g.tsv"], "--resume-cells applies to cells this lr-sweep runs itself"),
     (["--", "--hidden-size", "64"], "use lr-sweep --widths"),
     (["--", "--matrix-lr", "0.1"], "carries the swept LR of muon_md"),
     (["--corpus", "unused", "--", "--mock-data"], "--corpus and --mock-data"),
@@ -457,3 +460,88 @@ def test_collect_gathers_a_slurm_array_run(tmp_path, capsys):
     assert runner.finished(s, cells[0], out, retry_failed=False) is not None
     assert command.main(["--out", str(out), "--collect", str(tmp_path / "nope"), *flags]) == 2
     assert "--collect" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- resumable cells
+
+
+def _metrics(cell: Path) -> dict[int, float]:
+    out = {}
+    for line in (cell / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "lm_loss" in rec and "eval_lm_loss" not in rec:
+            out[rec["iteration"]] = rec["lm_loss"]
+    return out
+
+
+def test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit(tmp_path):
+    """A sweep stopped (SIGTERM) mid-cell with --resume-cells leaves the cell's checkpoint; the rerun continues
+    from it, and the cell's losses, step by step and final, equal those of a cell that ran straight through."""
+    import signal
+    import time
+
+    grid = ["--model", "tiny-dense", "--widths", "32", "--lrs", "1", "--steps", "120", "--log-interval", "1",
+            "--optimizers", "muon_md", "--no-plot"]
+    straight = tmp_path / "straight"
+    run_cli(["lr-sweep", "--out", str(straight), *grid, "--", *TINY], timeout=300)
+    (ref_cell,) = straight.glob("cells/*")
+    ref = json.loads((ref_cell / "result.json").read_text())
+
+    out = tmp_path / "stopped"
+    argv = ["lr-sweep", "--out", str(out), *grid, "--resume-cells", "--", *TINY]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_md.cli", *argv], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = out / "cells" / ref_cell.name / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, text
+    cell = out / "cells" / ref_cell.name
+    assert not (cell / "result.json").exists()
+    saved_at = int((cell / "checkpoint" / "latest_checkpointed_iteration.txt").read_text())
+    assert 20 <= saved_at < 120, saved_at  # stopped mid-run, checkpointed at the step it finished
+
+    second = run_cli(argv, timeout=300)
+    assert f"resumed from its iteration {saved_at}" in second.stdout, second.stdout
+    res = json.loads((cell / "result.json").read_text())
+    assert res["status"] == "ok" and res["attempts"] == 2 and res["iterations"] == 120
+    assert res["final_train_loss"] == ref["final_train_loss"] and res["final_eval_loss"] == ref["final_eval_loss"]
+    assert _metrics(cell) == _metrics(ref_cell)  # every step, bit for bit
+    assert res["args"] == ref["args"]  # the checkpoint flags are the runner's, not the cell's identity
+    assert not (cell / "checkpoint").exists()  # deleted once the result is written
+    attempts = json.loads((cell / "attempts.json").read_text())["attempts"]
+    assert [a["from_iteration"] for a in attempts] == [0, saved_at]
+
+
+def test_a_cell_with_changed_flags_or_a_result_starts_over(tmp_path):
+    s = spec(optimizers=["adamw"])
+    (cell,) = s.cells()
+    d = runner.cell_dir(tmp_path, cell)
+    (d / runner.CHECKPOINT).mkdir(parents=True)
+    (d / runner.CHECKPOINT / "latest_checkpointed_iteration.txt").write_text("7")
+    args = s.train_args(cell)
+    (d / runner.ATTEMPTS).write_text(json.dumps({"args": args, "attempts": [{"from_iteration": 0, "wall_s": 1.0}]}))
+    assert runner.resumable_from(d, args) == 7
+    assert runner.resumable_from(d, args + ["--weight-decay", "0.2"]) is None  # flags changed since
+    (d / runner.RESULT).write_text("{}")
+    assert runner.resumable_from(d, args) is None  # a (failed) result: --retry-failed starts over
+    assert runner.resumable_from(tmp_path / "nowhere", args) is None
+
+
+def test_metrics_of_a_resumed_cell_count_each_iteration_once(tmp_path):
+    """A cell killed after its last checkpoint logs some steps twice; the resumed values win."""
+    lines = [{"iteration": i, "lm_loss": 10.0 - i, "skipped_total": 0} for i in range(1, 6)]
+    lines += [{"iteration": i, "lm_loss": 20.0 - i, "skipped_total": 1} for i in range(4, 11)]  # resumed at 3
+    lines += [{"iteration": 10, "eval_lm_loss": 9.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    m = runner.summarize_metrics(tmp_path)
+    assert m["iterations"] == 10 and m["logged"] == 10 and m["skipped_total"] == 1
+    assert m["final_train_loss"] == 10.0 and m["final_eval_loss"] == 9.5  # the last 10%: iteration 10 alone
+
