@@ -277,7 +277,10 @@ def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int, stop: Optional
     with open(d / "cell.log", "a" if start is not None else "w") as log:
         log.write("$ megatron-md train " + shlex.join(run_args) + "\n")
         log.flush()
-        proc = subprocess.Popen(_train_command(run_args), stdout=log, stderr=subprocess.STDOUT, env=env)
+        # A resumable cell has its own session, so a terminal's Ctrl-C reaches only the sweep, which then stops the
+        # cell with SIGTERM: the trainer saves on SIGTERM, not on SIGINT.
+        proc = subprocess.Popen(_train_command(run_args), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=resume)
         stop.start(proc)
         try:
             rc = proc.wait()

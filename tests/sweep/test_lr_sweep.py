@@ -474,30 +474,44 @@ def _metrics(cell: Path) -> dict[int, float]:
     return out
 
 
-def test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit(tmp_path):
-    """A sweep stopped (SIGTERM) mid-cell with --resume-cells leaves the cell's checkpoint; the rerun continues
-    from it, and the cell's losses, step by step and final, equal those of a cell that ran straight through."""
+RESUME_GRID = ["--model", "tiny-dense", "--widths", "32", "--lrs", "1", "--steps", "120", "--log-interval", "1",
+               "--optimizers", "muon_md", "--no-plot"]
+
+
+@pytest.fixture(scope="module")
+def straight_cell(tmp_path_factory) -> Path:
+    """The one cell of RESUME_GRID, run straight through."""
+    straight = tmp_path_factory.mktemp("straight")
+    run_cli(["lr-sweep", "--out", str(straight), *RESUME_GRID, "--", *TINY], timeout=300)
+    (cell,) = straight.glob("cells/*")
+    return cell
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit(tmp_path, straight_cell, stop):
+    """A sweep stopped mid-cell with --resume-cells (SIGTERM to the sweep, as a batch system sends it, or Ctrl-C,
+    SIGINT to the terminal's whole process group) leaves the cell's checkpoint; the rerun continues from it, and
+    the cell's losses, step by step and final, equal those of a cell that ran straight through."""
     import signal
     import time
 
-    grid = ["--model", "tiny-dense", "--widths", "32", "--lrs", "1", "--steps", "120", "--log-interval", "1",
-            "--optimizers", "muon_md", "--no-plot"]
-    straight = tmp_path / "straight"
-    run_cli(["lr-sweep", "--out", str(straight), *grid, "--", *TINY], timeout=300)
-    (ref_cell,) = straight.glob("cells/*")
+    ref_cell, grid = straight_cell, RESUME_GRID
     ref = json.loads((ref_cell / "result.json").read_text())
 
     out = tmp_path / "stopped"
     argv = ["lr-sweep", "--out", str(out), *grid, "--resume-cells", "--", *TINY]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
     proc = subprocess.Popen([sys.executable, "-m", "megatron_md.cli", *argv], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         metrics = out / "cells" / ref_cell.name / "metrics.jsonl"
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
         text, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
