@@ -264,7 +264,8 @@ def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int, stop: Optional
     attempts = {"args": args, "attempts": []}
     if resume:
         ckpt = str(d / CHECKPOINT)
-        run_args += ["--save", ckpt, "--load", ckpt] + (["--save-interval", str(save_interval)] if save_interval else [])
+        run_args += ["--save", ckpt, "--load", ckpt, "--keep-last-n-checkpoints", "1"]  # resuming needs the newest
+        run_args += ["--save-interval", str(save_interval)] if save_interval else []
         if start is not None:
             attempts = json.loads((d / ATTEMPTS).read_text())
         attempts["attempts"].append({"from_iteration": start or 0, "wall_s": None})

@@ -499,7 +499,7 @@ def test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit(t
     ref = json.loads((ref_cell / "result.json").read_text())
 
     out = tmp_path / "stopped"
-    argv = ["lr-sweep", "--out", str(out), *grid, "--resume-cells", "--", *TINY]
+    argv = ["lr-sweep", "--out", str(out), *grid, "--resume-cells", "--cell-save-interval", "10", "--", *TINY]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
     proc = subprocess.Popen([sys.executable, "-m", "megatron_md.cli", *argv], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -521,6 +521,7 @@ def test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit(t
     assert not (cell / "result.json").exists()
     saved_at = int((cell / "checkpoint" / "latest_checkpointed_iteration.txt").read_text())
     assert 20 <= saved_at < 120, saved_at  # stopped mid-run, checkpointed at the step it finished
+    assert [p.name for p in (cell / "checkpoint").glob("iter_*")] == [f"iter_{saved_at:07d}"]  # only the newest kept
 
     second = run_cli(argv, timeout=300)
     assert f"resumed from its iteration {saved_at}" in second.stdout, second.stdout
