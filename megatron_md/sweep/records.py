@@ -325,9 +325,13 @@ def lr_transfer_claims(record: Path, rel: str) -> list[Claim]:
         others = []
         for o in ("adamw", "muon"):
             if o in best and len(best[o]) > 1:
-                oks = [best[o][w].k for w in sorted(best[o]) if best[o][w].k is not None]
+                # measured like MuonMD's: by the parabola's vertex on a coarse grid, so the three compare
+                oks = [(c.vertex_k if coarse else c.k) for c in (best[o][w] for w in sorted(best[o]))]
+                oks = [k for k in oks if k is not None]
                 if oks:
-                    others.append(f"{o} moves {max(oks) - min(oks):g} steps")
+                    spread = max(oks) - min(oks)
+                    others.append(f"{o} moves {spread:.2f} steps by the parabola" if coarse
+                                  else f"{o} moves {spread:g} step{'' if spread == 1 else 's'}")
         claims.append(Claim(label, verdict, shown + (" (" + "; ".join(others) + ")" if others else ""), rel))
     return claims
 

@@ -6,6 +6,8 @@
 # smaller width) put its optimum, and --extend-edges walks it outwards until the optimum is strictly inside.
 # Cost per cell on one core of two busy ones: ~65 s at width 64, ~2.5 min at 128, 5.5 (AdamW) to 8 min at 256,
 # ~20 (AdamW) to ~40 min (Muon, MuonMD: Newton-Schulz grows as width^3) at 512.
+# The kept record ran Muon's width-512 cells on one H200 (the same flags plus --device cuda; see its README for the
+# measured CPU/GPU difference, <= 0.0016); this script runs them on the CPU.
 # The widths 64 and 256 cells are the probe's (same flags, same names): copy its cells/ into $OUT to reuse them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

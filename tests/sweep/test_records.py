@@ -128,6 +128,17 @@ def test_on_a_factor_2_grid_the_transfer_claim_places_each_optimum_by_its_parabo
     (claim,) = R.lr_transfer_claims(record(tmp_path / "b", {64: 13.0, 256: 11.2}), "rec")
     assert claim.verdict == R.NOT_HELD, claim.evidence
 
+    # the baselines' drift, printed beside it, is measured the same way (by the vertex, not the arg-min)
+    rec = tmp_path / "c" / "records" / "2026-01-01-lr-transfer"
+    rec.mkdir(parents=True)
+    rows = []
+    for w, k_md, k_adam in ((64, 12.4, 8.3), (256, 11.6, 6.1)):
+        rows += _bowl("muon_md", w, k_md, 4.8, (9, 11, 13, 15), seeds=(1, 2, 3))
+        rows += _bowl("adamw", w, k_adam, 5.0, (3, 5, 7, 9, 11), seeds=(1, 2, 3))
+    write_csv(rec / "results.csv", rows, RESULT_COLUMNS)
+    (claim,) = R.lr_transfer_claims(rec, "rec")
+    assert "adamw moves 2.20 steps by the parabola" in claim.evidence, claim.evidence
+
 
 def _ablation_record(tmp: Path, losses: dict) -> Path:
     rec = tmp / "records" / "2026-01-01-md-ablations"
