@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
                    "the other is running.")
     p.add_argument("--resume-cells", action="store_true",
                    help="Each cell checkpoints into OUT/cells/<cell>/checkpoint when the sweep is stopped "
-                   "(SIGTERM, as a batch system's preemption sends) and a rerun continues an unfinished cell from "
+                   "(SIGTERM, as a batch system's preemption sends, or Ctrl-C) and a rerun continues an unfinished cell from "
                    "there instead of restarting it (only with unchanged flags); the checkpoint is deleted once the "
                    "cell has its result. For long cells. Local runs only.")
     p.add_argument("--cell-save-interval", type=int, metavar="N",
