@@ -401,6 +401,12 @@ def manifold_claims(record: Path, rel: str) -> list[Claim]:
             v2, g2, n2 = compare(best["all-stiefel"], best["unconstrained"])
             claims.append(Claim(f"HETERO < ALL-STIEFEL < UNCONSTRAINED ({set_name})", combine([v1, v2]),
                                 f"{_gap('STIEFEL−HETERO', v1, g1, n1)}; {_gap('UNCONSTR−STIEFEL', v2, g2, n2)}", rel))
+        # the module-wise choice against each baseline on its own, so a set without ALL-STIEFEL is judged too
+        for other, label in (("all-dgram", "ALL-DGRAM"), ("unconstrained", "UNCONSTRAINED")):
+            if {"hetero", other} <= set(best) and min(best["hetero"].n, best[other].n) > 1:
+                v, g, n = compare(best["hetero"], best[other])
+                claims.append(Claim(f"HETERO < {label} ({set_name})", v,
+                                    _gap(f"{label}−HETERO", v, g, n), rel))
         dg = [r for r in runs if r.preset in DGRAM_ATTENTION]
         st = [r for r in runs if r.preset in STIEFEL_ATTENTION]
         if dg and st:

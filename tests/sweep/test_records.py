@@ -240,6 +240,10 @@ def test_manifold_summaries_and_claims(tmp_path):
     assert dg.last["mlp_sigma_max"] == pytest.approx(3.0)
     claims = {c.claim.split(" (")[0]: c for c in R.manifold_claims(rec, "rec")}
     assert claims["HETERO < ALL-STIEFEL < UNCONSTRAINED"].verdict == R.HELD
+    # each baseline on its own: the synthetic all-dgram is 0.1 better than hetero, unconstrained 0.2 worse
+    assert claims["HETERO < ALL-DGRAM"].verdict == R.NOT_HELD and "ALL-DGRAM−HETERO -0.1000" in claims[
+        "HETERO < ALL-DGRAM"].evidence, claims["HETERO < ALL-DGRAM"].evidence
+    assert claims["HETERO < UNCONSTRAINED"].verdict == R.HELD
     assert claims["DGram on attention diverges"].verdict == R.INCONCLUSIVE
     assert "0/6" in claims["DGram on attention diverges"].evidence
     assert claims["DGram attention's σ_max and max logit grow, Stiefel's do not"].verdict == R.HELD
