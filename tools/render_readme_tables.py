@@ -428,9 +428,11 @@ def render_claims(repo: Path, only: Path | None = None) -> str:
     abl = R.latest(repo, "md-ablations")
     if abl is not None and only in (None, abl):
         claims += R.ablation_claims(abl, str(abl.relative_to(repo)), transfer)
-    man = R.latest(repo, "manifold-geometry")
-    if man is not None and only in (None, man):
-        claims += R.manifold_claims(man, str(man.relative_to(repo)))
+    # a manifold record's sets are experiments of their own (LR, length, schedule), not reruns of an older
+    # record's, so every finished one is judged, newest first
+    for man in reversed(R.finished(repo, "manifold-geometry")):
+        if only in (None, man):
+            claims += R.manifold_claims(man, str(man.relative_to(repo)))
     if not claims:
         return "_No records yet._"
     lines = ["| claim | at this scale | evidence (loss gaps: mean difference ± 2 standard errors) | reproduce |",
@@ -440,17 +442,23 @@ def render_claims(repo: Path, only: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def with_figures(render_table: Callable[[Path], str], kind: str, pattern: str, alt: str) -> Callable[[Path], str]:
+def with_figures(render_table: Callable[..., str], kind: str, pattern: str, alt: str,
+                 every_record: bool = False) -> Callable[[Path], str]:
     """``render_table`` followed by the newest record's figures matching ``pattern``, linked from the
-    repository root (a record's own README links its figures itself)."""
-    def block(repo: Path) -> str:
-        rec = _records().latest(repo, kind)
+    repository root (a record's own README links its figures itself); ``every_record``: each finished record
+    of the kind in turn, newest first."""
+    def one(repo: Path, rec: Path | None) -> str:
         figures = sorted(rec.glob(pattern)) if rec is not None else []
 
         def link(f: Path) -> str:
             label = f" ({f.stem.partition('_')[2] or f.stem})" if len(figures) > 1 else ""  # spectra_lr0.1 -> lr0.1
             return f"![{alt}{label}]({f.relative_to(repo).as_posix()})"
-        return "\n\n".join([render_table(repo), *map(link, figures)])
+        return "\n\n".join([render_table(repo, rec), *map(link, figures)])
+
+    def block(repo: Path) -> str:
+        if every_record and _records().finished(repo, kind):
+            return "\n\n".join(one(repo, rec) for rec in reversed(_records().finished(repo, kind)))
+        return one(repo, _records().latest(repo, kind))
     return block
 
 
@@ -467,7 +475,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "records_md_ablations": with_figures(render_md_ablations, "md-ablations", "ablations.png",
                                          "final loss vs matrix LR per MuonMD variant"),
     "records_manifold": with_figures(render_manifold, "manifold-geometry", "spectra_*.png",
-                                     "attention and MLP σ_max, max attention logit"),
+                                     "attention and MLP σ_max, max attention logit", every_record=True),
 }
 
 
@@ -512,9 +520,10 @@ def render_record(readme_text: str, repo: Path, rec: Path) -> str:
         raise MarkersMissing(f"{rec.name} does not end with one of -{', -'.join(RECORD_KINDS)}")
     readme_text = splice(readme_text, "record_summary", RECORD_KINDS[kind](repo, rec))
     newest = _records().latest(repo, kind)
-    if kind in CLAIM_KINDS and newest is not None and newest.resolve() == rec.resolve():
-        # claims are judged on the newest of each kind
-        readme_text = splice(readme_text, "record_claims", render_claims(repo, only=newest))
+    judged = kind == "manifold-geometry" or (newest is not None and newest.resolve() == rec.resolve())
+    if kind in CLAIM_KINDS and judged:
+        # claims are judged on the newest of each kind (every manifold record: see render_claims)
+        readme_text = splice(readme_text, "record_claims", render_claims(repo, only=rec))
     return readme_text
 
 

@@ -41,15 +41,25 @@ RESULTS_GLOB = {"lr-transfer": "results.csv", "md-ablations": "variants/*/result
 # they finish, but no README table or claim reads it until the file is removed.
 IN_PROGRESS = "IN_PROGRESS"
 
+# The manifold paper's DGram-attention run diverged near step 15k of a 50k-step cosine, the LR still ~80% of its
+# peak: a run that got that far at half its peak LR or more without diverging counts against the claim.
+PAPER_DIVERGENCE_STEP = 15000
+PAPER_LR_FRACTION_MIN = 0.5
+
 
 def in_progress(rec: Path) -> bool:
     return (Path(rec) / IN_PROGRESS).exists()
 
 
+def finished(repo: Path, kind: str) -> list[Path]:
+    """Every finished ``records/*-<kind>`` directory that holds results, oldest first (by its dated name)."""
+    return sorted(p for p in (Path(repo) / "records").glob(f"*-{kind}")
+                  if any(p.glob(RESULTS_GLOB[kind])) and not in_progress(p))
+
+
 def latest(repo: Path, kind: str) -> Optional[Path]:
     """The newest finished ``records/*-<kind>`` directory that holds results, or None."""
-    found = sorted(p for p in (Path(repo) / "records").glob(f"*-{kind}")
-                   if any(p.glob(RESULTS_GLOB[kind])) and not in_progress(p))
+    found = finished(repo, kind)
     return found[-1] if found else None
 
 
@@ -208,6 +218,8 @@ def _diag_series(metrics: Path) -> dict[str, list[tuple[int, float]]]:
             series[kind].append((it, v))
         if "lm_loss" in rec and "eval_lm_loss" not in rec:
             series["lm_loss"].append((it, rec["lm_loss"]))
+            if isinstance(rec.get("lr"), (int, float)):
+                series["lr"].append((it, rec["lr"]))
     return series
 
 
@@ -235,6 +247,7 @@ class ManifoldRun:
     first: dict  # kind -> first logged value
     last: dict
     peak: dict
+    lr_end_frac: Optional[float] = None  # the LR at the last logged step over its peak (None: not logged)
 
 
 def manifold_runs(record: Path, set_name: str) -> list[ManifoldRun]:
@@ -248,7 +261,9 @@ def manifold_runs(record: Path, set_name: str) -> list[ManifoldRun]:
                 preset=preset, lr=r["lr"], seed=r["seed"], steps=r["steps"], loss=loss_of(r, "eval"),
                 status=r["status"], spiked=spike(series.get("lm_loss", []), r["steps"]),
                 first={k: series[k][0][1] for k in kinds}, last={k: series[k][-1][1] for k in kinds},
-                peak={k: max(v for _, v in series[k]) for k in kinds}))
+                peak={k: max(v for _, v in series[k]) for k in kinds},
+                lr_end_frac=(series["lr"][-1][1] / max(v for _, v in series["lr"])
+                             if series.get("lr") and max(v for _, v in series["lr"]) > 0 else None)))
     return out
 
 
@@ -412,10 +427,17 @@ def manifold_claims(record: Path, rel: str) -> list[Claim]:
         if dg and st:
             bad = [r for r in dg if r.status != "ok" or r.spiked]
             steps = max(r.steps for r in dg)
-            verdict = HELD if bad else INCONCLUSIVE
+            # Runs that reached the paper's divergence point (~15k steps, the LR still ~80% of its peak) and did
+            # not diverge are evidence against the claim at this scale; shorter or decayed runs say nothing.
+            ends = [r.lr_end_frac for r in dg]
+            reached = all(r.steps >= PAPER_DIVERGENCE_STEP for r in dg) and \
+                all(f is not None and f >= PAPER_LR_FRACTION_MIN for f in ends)
+            verdict = HELD if bad else NOT_HELD if reached else INCONCLUSIVE
+            where = (f", ending at {100 * min(ends):.0f}% of the peak LR or more" if reached else "")
             claims.append(Claim(f"DGram on attention diverges ({set_name})", verdict,
-                                f"{len(bad)}/{len(dg)} DGram-attention runs diverged or spiked by step {steps}"
-                                + ("" if bad else " (the paper's divergence came at ~15k of 50k steps)"), rel))
+                                f"{len(bad)}/{len(dg)} DGram-attention runs diverged or spiked by step {steps}{where}"
+                                + ("" if bad else " (the paper's divergence came at ~15k of 50k steps, the LR ~80% "
+                                   "of its peak)"), rel))
             if all("attn_sigma_max" in r.last for r in dg + st):
                 grow_dg = min(r.last["attn_sigma_max"] / r.first["attn_sigma_max"] for r in dg)
                 grow_st = max(r.last["attn_sigma_max"] / r.first["attn_sigma_max"] for r in st)

@@ -194,12 +194,15 @@ def test_ablation_claims_with_flat_gains_and_weight_decay(tmp_path):
     assert claims["MuonMD needs no weight decay (0 ≤ 0.1, within noise)"].verdict == R.NOT_HELD
 
 
-def _metrics(path: Path, steps: int, attn_growth: float, spike_at=None):
+def _metrics(path: Path, steps: int, attn_growth: float, spike_at=None, lr_end=None):
+    """``lr_end``: log an LR falling linearly from 1 to it (None: no LR logged)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
     for it in range(10, steps + 1, 10):
         loss = 6.0 - it / steps + (3.0 if spike_at is not None and it >= spike_at else 0.0)
         lines.append({"iteration": it, "lm_loss": loss})
+        if lr_end is not None:
+            lines[-1]["lr"] = 1.0 + (lr_end - 1.0) * it / steps
         if it % 50 == 0:
             t = it / steps
             rec = {"iteration": it}
@@ -213,19 +216,19 @@ def _metrics(path: Path, steps: int, attn_growth: float, spike_at=None):
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
 
 
-def _manifold_record(tmp: Path, spike: bool) -> Path:
+def _manifold_record(tmp: Path, spike: bool, steps: int = 500, lr_end=None) -> Path:
     rec = tmp / "records" / "2026-01-01-manifold-geometry"
     losses = {"unconstrained": 5.2, "all-stiefel": 5.1, "hetero": 5.0, "all-dgram": 4.9, "hetero-inv": 4.95}
     for preset, loss in losses.items():
         d = rec / "lr0.1" / preset
         rows = []
         for seed in (1, 2, 3):
-            r = _row("manifold_muon", 64, 13, seed, loss + 0.002 * seed, steps=500)
+            r = _row("manifold_muon", 64, 13, seed, loss + 0.002 * seed, steps=steps)
             r["cell"] = f"c{seed}"
             rows.append(r)
             dgram = preset in R.DGRAM_ATTENTION
-            _metrics(d / "cells" / r["cell"] / "metrics.jsonl", 500, 3.0 if dgram else 1.0,
-                     spike_at=300 if (spike and dgram) else None)
+            _metrics(d / "cells" / r["cell"] / "metrics.jsonl", steps, 3.0 if dgram else 1.0,
+                     spike_at=300 if (spike and dgram) else None, lr_end=lr_end)
         write_csv(d / "results.csv", rows, RESULT_COLUMNS)
     return rec
 
@@ -252,6 +255,20 @@ def test_manifold_summaries_and_claims(tmp_path):
     rec = _manifold_record(tmp_path / "spiked", spike=True)
     claims = {c.claim.split(" (")[0]: c for c in R.manifold_claims(rec, "rec")}
     assert claims["DGram on attention diverges"].verdict == R.HELD
+
+
+@pytest.mark.parametrize("steps,lr_end,verdict", [
+    (15000, 0.8, "not held"),     # the paper's point reached (15k steps, LR still 80% of peak), no divergence
+    (15000, 0.0, "inconclusive"),  # 15k steps, but the LR decayed to nothing by then
+    (10000, 0.8, "inconclusive"),  # stopped before the paper's point
+    (15000, None, "inconclusive"),  # no LR logged: cannot tell
+])
+def test_no_divergence_counts_against_the_claim_only_at_the_papers_point(tmp_path, steps, lr_end, verdict):
+    rec = _manifold_record(tmp_path, spike=False, steps=steps, lr_end=lr_end)
+    claims = {c.claim.split(" (")[0]: c for c in R.manifold_claims(rec, "rec")}
+    claim = claims["DGram on attention diverges"]
+    assert claim.verdict == verdict, claim.evidence
+    assert ("ending at 80% of the peak LR" in claim.evidence) == (verdict == "not held"), claim.evidence
 
 
 def test_ablation_plot_leaves_a_far_variant_off_the_axes(tmp_path):
