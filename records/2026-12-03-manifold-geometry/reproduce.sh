@@ -5,8 +5,9 @@
 # (the 2026-12-01 record's LR), diagnostics (sigma_max, max logit) every 250 steps.
 # Rerun into runs/records/2026-12-03-manifold-geometry/lr0.1-15k-of-50k/<preset> (OUT=... to change; records/ is
 # never written). The layout is a manifold-geometry record's (<set>/<preset>/results.csv), which the claims read.
-# Resumable: finished cells are kept; a stopped cell continues from its checkpoint (on SIGTERM, every 1000 steps). About 50 minutes per cell on one core of two
-# busy ones (3 presets x 2 seeds = 6 cells, ~5 core-hours); seeds go one at a time across the presets.
+# Resumable: finished cells are kept; a stopped cell continues from its checkpoint (on SIGTERM, every 1000 steps). About 12 minutes per cell on one core when the
+# other core runs a cell like it (42 when it ran width-512 LR-transfer cells); 3 presets x 2 seeds = 6 cells, the
+# kept record's cost 1.7 core-hours. Seeds go one at a time across the presets.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/records/2026-12-03-manifold-geometry}
