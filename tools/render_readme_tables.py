@@ -419,20 +419,16 @@ def render_regime_probe(repo: Path, rec: Path | None = None) -> str:
 
 
 def render_claims(repo: Path, only: Path | None = None) -> str:
-    """Every claim of the newest records, or (``only``) the claims that one record judges."""
+    """Every claim of the judged records (records.judged), or (``only``) the claims that one record judges."""
     R = _records()
     claims = []
-    transfer = R.latest(repo, "lr-transfer")
-    if transfer is not None and only in (None, transfer):
-        claims += R.lr_transfer_claims(transfer, str(transfer.relative_to(repo)))
-    abl = R.latest(repo, "md-ablations")
-    if abl is not None and only in (None, abl):
-        claims += R.ablation_claims(abl, str(abl.relative_to(repo)), transfer)
-    # a manifold record's sets are experiments of their own (LR, length, schedule), not reruns of an older
-    # record's, so every finished one is judged, newest first
-    for man in reversed(R.finished(repo, "manifold-geometry")):
-        if only in (None, man):
-            claims += R.manifold_claims(man, str(man.relative_to(repo)))
+    transfer = R.latest(repo, "lr-transfer")  # the ablations compare against its Muon
+    judges = {"lr-transfer": R.lr_transfer_claims, "manifold-geometry": R.manifold_claims,
+              "md-ablations": lambda rec, rel: R.ablation_claims(rec, rel, transfer)}
+    for kind in CLAIM_KINDS:
+        for rec in R.judged(repo, kind):
+            if only is None or Path(only).resolve() == rec.resolve():
+                claims += judges[kind](rec, str(rec.relative_to(repo)))
     if not claims:
         return "_No records yet._"
     lines = ["| claim | at this scale | evidence (loss gaps: mean difference ± 2 standard errors) | reproduce |",
@@ -442,11 +438,9 @@ def render_claims(repo: Path, only: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def with_figures(render_table: Callable[..., str], kind: str, pattern: str, alt: str,
-                 every_record: bool = False) -> Callable[[Path], str]:
-    """``render_table`` followed by the newest record's figures matching ``pattern``, linked from the
-    repository root (a record's own README links its figures itself); ``every_record``: each finished record
-    of the kind in turn, newest first."""
+def with_figures(render_table: Callable[..., str], kind: str, pattern: str, alt: str) -> Callable[[Path], str]:
+    """``render_table`` followed by the record's figures matching ``pattern``, linked from the repository root
+    (a record's own README links its figures itself), for each judged record of the kind, newest first."""
     def one(repo: Path, rec: Path | None) -> str:
         figures = sorted(rec.glob(pattern)) if rec is not None else []
 
@@ -456,9 +450,8 @@ def with_figures(render_table: Callable[..., str], kind: str, pattern: str, alt:
         return "\n\n".join([render_table(repo, rec), *map(link, figures)])
 
     def block(repo: Path) -> str:
-        if every_record and _records().finished(repo, kind):
-            return "\n\n".join(one(repo, rec) for rec in reversed(_records().finished(repo, kind)))
-        return one(repo, _records().latest(repo, kind))
+        recs = _records().judged(repo, kind)
+        return "\n\n".join(one(repo, rec) for rec in recs) if recs else one(repo, None)
     return block
 
 
@@ -475,7 +468,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "records_md_ablations": with_figures(render_md_ablations, "md-ablations", "ablations.png",
                                          "final loss vs matrix LR per MuonMD variant"),
     "records_manifold": with_figures(render_manifold, "manifold-geometry", "spectra_*.png",
-                                     "attention and MLP σ_max, max attention logit", every_record=True),
+                                     "attention and MLP σ_max, max attention logit"),
 }
 
 
@@ -519,10 +512,7 @@ def render_record(readme_text: str, repo: Path, rec: Path) -> str:
     if kind is None:
         raise MarkersMissing(f"{rec.name} does not end with one of -{', -'.join(RECORD_KINDS)}")
     readme_text = splice(readme_text, "record_summary", RECORD_KINDS[kind](repo, rec))
-    newest = _records().latest(repo, kind)
-    judged = kind == "manifold-geometry" or (newest is not None and newest.resolve() == rec.resolve())
-    if kind in CLAIM_KINDS and judged:
-        # claims are judged on the newest of each kind (every manifold record: see render_claims)
+    if kind in CLAIM_KINDS and any(r.resolve() == rec.resolve() for r in _records().judged(repo, kind)):
         readme_text = splice(readme_text, "record_claims", render_claims(repo, only=rec))
     return readme_text
 

@@ -57,6 +57,17 @@ def finished(repo: Path, kind: str) -> list[Path]:
                   if any(p.glob(RESULTS_GLOB[kind])) and not in_progress(p))
 
 
+# A manifold record's sets (an LR, a length, a schedule) are experiments of their own, not reruns of an older
+# record's, so every finished one is shown and judged; the other kinds only on their newest record.
+EVERY_RECORD_JUDGED = ("manifold-geometry",)
+
+
+def judged(repo: Path, kind: str) -> list[Path]:
+    """The finished records of a kind that the README shows and judges, newest first."""
+    found = finished(repo, kind)
+    return found[::-1] if kind in EVERY_RECORD_JUDGED else found[-1:]
+
+
 def latest(repo: Path, kind: str) -> Optional[Path]:
     """The newest finished ``records/*-<kind>`` directory that holds results, or None."""
     found = finished(repo, kind)
@@ -262,9 +273,14 @@ def manifold_runs(record: Path, set_name: str) -> list[ManifoldRun]:
                 status=r["status"], spiked=spike(series.get("lm_loss", []), r["steps"]),
                 first={k: series[k][0][1] for k in kinds}, last={k: series[k][-1][1] for k in kinds},
                 peak={k: max(v for _, v in series[k]) for k in kinds},
-                lr_end_frac=(series["lr"][-1][1] / max(v for _, v in series["lr"])
-                             if series.get("lr") and max(v for _, v in series["lr"]) > 0 else None)))
+                lr_end_frac=_end_fraction(series.get("lr", []))))
     return out
+
+
+def _end_fraction(points: list[tuple[int, float]]) -> Optional[float]:
+    """The last value over the largest (None when nothing, or nothing positive, was logged)."""
+    top = max((v for _, v in points), default=0.0)
+    return points[-1][1] / top if top > 0 else None
 
 
 def manifold_sets(record: Path) -> list[str]:
