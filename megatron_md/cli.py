@@ -1,4 +1,4 @@
-"""``megatron-md`` command line: train, params, plan, score, generate, demo."""
+"""``megatron-md`` command line: train, params, plan, score, generate, lr-sweep, demo, recipes."""
 
 from __future__ import annotations
 
@@ -263,13 +263,14 @@ def cmd_demo(argv: list[str]) -> int:
     p.add_argument("--work-dir", default="runs/demo", help="Where data, checkpoint and run go.")
     p.add_argument("--config", default=None, help="Demo config (default examples/tiny_moe_cpu_demo.yaml).")
     a, rest = p.parse_known_args(argv)
+    from megatron_md.training.config import EXAMPLES_DIR
     from megatron_md.training.data import prepare_demo_data
 
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     print(f"[demo] preparing the embedded corpus and its tokenizer in {work / 'data'}", flush=True)
     prefix, tok = prepare_demo_data(work / "data")
-    cfg_path = a.config or str(Path(__file__).resolve().parent.parent / "examples" / "tiny_moe_cpu_demo.yaml")
+    cfg_path = a.config or str(EXAMPLES_DIR / "tiny_moe_cpu_demo.yaml")
     import time
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -304,14 +305,43 @@ def cmd_lr_sweep(argv: list[str]) -> int:
     return sweep_main(argv)
 
 
+def cmd_recipes(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="megatron-md recipes",
+        description="List the recipes shipped with the package (usable as --config examples/NAME from any "
+                    "directory), or copy them out to edit.")
+    p.add_argument("--copy", metavar="DIR", help="Copy every shipped recipe into DIR (existing files are kept).")
+    a = p.parse_args(argv)
+    from megatron_md.training.config import EXAMPLES_DIR
+
+    recipes = sorted(EXAMPLES_DIR.rglob("*.yaml"))
+    if a.copy:
+        out = Path(a.copy)
+        kept = 0
+        for r in recipes:
+            dst = out / r.relative_to(EXAMPLES_DIR)
+            if dst.exists():
+                kept += 1
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(r, dst)
+        print(f"copied {len(recipes) - kept} recipes into {out}" + (f" ({kept} already there, kept)" if kept else ""))
+        return 0
+    for r in recipes:
+        first = next((ln.lstrip("# ").strip() for ln in r.read_text().splitlines() if ln.startswith("#")), "")
+        print(f"examples/{r.relative_to(EXAMPLES_DIR).as_posix():48s} {first}")
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "params": cmd_params, "plan": cmd_plan, "score": cmd_score,
-            "generate": cmd_generate, "demo": cmd_demo, "lr-sweep": cmd_lr_sweep}
+            "generate": cmd_generate, "demo": cmd_demo, "lr-sweep": cmd_lr_sweep,
+            "recipes": cmd_recipes}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: megatron-md {train,params,plan,score,generate,lr-sweep,demo} [options]   "
+        print("usage: megatron-md {train,params,plan,score,generate,lr-sweep,demo,recipes} [options]   "
               "(megatron-md CMD --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])

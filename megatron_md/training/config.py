@@ -466,10 +466,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 )
 
 
-def load_yaml(path: str) -> dict:
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"  # shipped in the wheel
+
+
+def find_config(path: str) -> Path:
+    """``path`` itself, or else the shipped recipe it names (``examples/md_paper/x.yaml`` or ``md_paper/x.yaml``).
+
+    A wheel install has no source tree, so the recipes travel inside the package; a file of the same
+    name in the working directory always wins.
+    """
     p = Path(path)
+    if p.is_file() or p.is_absolute():
+        return p
+    rel = p.parts[1:] if p.parts[:1] == ("examples",) else p.parts
+    shipped = EXAMPLES_DIR.joinpath(*rel) if rel else None
+    return shipped if shipped is not None and shipped.is_file() else p
+
+
+def load_yaml(path: str) -> dict:
+    p = find_config(path)
     if not p.is_file():
-        raise ValueError(f"--config {path}: file not found")
+        raise ValueError(
+            f"--config {path}: file not found (nor among the shipped recipes in {EXAMPLES_DIR}; "
+            "`megatron-md recipes` lists them)")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
