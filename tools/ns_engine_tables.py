@@ -1,4 +1,5 @@
-"""README tables of ``benchmarks/ns_engine.py`` (imported by ``render_readme_tables.py``)."""
+"""The ``ns_engine`` block of docs/performance.md, from ``benchmarks/ns_engine.py`` (imported by
+``render_readme_tables.py``)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,29 @@
-"""Rewrite the generated tables in README.md from the stored results.
+"""Rewrite the generated blocks of README.md and docs/*.md from the stored results.
 
-Each generated block sits between two markers in the README::
+Each generated block sits between two marker lines, in whichever of README.md and docs/*.md holds it
+(each block in exactly one of them; the tool finds it there and rewrites that page)::
 
     <!-- BEGIN optimizer_step -->
     ...generated, do not edit by hand...
     <!-- END optimizer_step -->
 
-``optimizer_step``: every ``benchmarks/results/*.json`` written by ``benchmarks/optimizer_step.py``
-(sorted by file name), one table each. ``ns_engine``: ``benchmarks/results/ns_engine_cpu.json`` from
-``benchmarks/ns_engine.py`` (tables in ``tools/ns_engine_tables.py``). ``gpu_bench``: ``benchmarks/results/gpu_bench_h200.json`` from
+``optimizer_step`` and ``optimizer_state``: every ``benchmarks/results/*.json`` written by
+``benchmarks/optimizer_step.py`` / ``benchmarks/optimizer_state.py`` (sorted by file name), one table each.
+``ns_engine``: ``benchmarks/results/ns_engine_cpu.json`` from ``benchmarks/ns_engine.py`` (tables in
+``tools/ns_engine_tables.py``). ``gpu_bench``: ``benchmarks/results/gpu_bench_h200.json`` from
 ``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``plan``:
-``benchmarks/results/plan_8x80gb.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``). ``records_*``: the newest ``records/<date>-<kind>/`` of each kind,
-summarised and judged by ``megatron_md.sweep.records`` from its CSVs and cells' metrics.jsonl.
+``benchmarks/results/plan_8x80gb.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``).
+``records_*``: the judged ``records/<date>-<kind>/`` of each kind, summarised and judged by
+``megatron_md.sweep.records`` from their CSVs and cells' metrics.jsonl. Links in a block are written from the
+repository root and made relative to the page it lands in (``../records/...`` in docs/).
 Standard library only: no torch import.
 
 Each ``records/<date>-<kind>/README.md`` with a ``record_summary`` block gets that record's table, and
-its ``record_claims`` block the claims it is judged on (the newest record of each kind).
+its ``record_claims`` block the claims it is judged on (the judged records only).
 
-    python tools/render_readme_tables.py            # rewrite README.md (and the records' READMEs) in place
-    python tools/render_readme_tables.py --check    # exit 1 if README.md is out of date
+    python tools/render_readme_tables.py            # rewrite the pages (and the records' READMEs) in place
+    python tools/render_readme_tables.py --check    # exit 1 if any of them is out of date, 2 if a block is
+                                                    # missing, duplicated or unknown
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -276,7 +282,7 @@ def render_gpu_bench(repo: Path) -> str:
 
 # ----------------------------------------------------------------------------- records (CPU experiments)
 
-GEOMETRY = {  # preset -> (attention, MLP), as in ALGORITHMS.md section 3.5
+GEOMETRY = {  # preset -> (attention, MLP), the presets' table in docs/optimizers.md
     "unconstrained": ("Muon + WD", "Muon + WD"), "all-stiefel": ("Stiefel", "Stiefel"),
     "all-dgram": ("DGram", "DGram"), "hetero": ("Stiefel", "DGram"), "hetero-inv": ("DGram", "Stiefel"),
     "hetero-md": ("Stiefel", "MD sphere + gains"),
@@ -440,7 +446,8 @@ def render_claims(repo: Path, only: Path | None = None) -> str:
 
 def with_figures(render_table: Callable[..., str], kind: str, pattern: str, alt: str) -> Callable[[Path], str]:
     """``render_table`` followed by the record's figures matching ``pattern``, linked from the repository root
-    (a record's own README links its figures itself), for each judged record of the kind, newest first."""
+    (``render`` makes the links relative to the page; a record's own README links its figures itself), for
+    each judged record of the kind, newest first."""
     def one(repo: Path, rec: Path | None) -> str:
         figures = sorted(rec.glob(pattern)) if rec is not None else []
 
@@ -472,28 +479,88 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
 }
 
 
-# ----------------------------------------------------------------------------- README splicing
+# ----------------------------------------------------------------------------- splicing
+
+MARKER = re.compile(r"^<!-- (BEGIN|END) ([A-Za-z0-9_]+) -->$", re.MULTILINE)  # a marker is a line of its own
+LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)(\))")  # [text](target) and ![alt](target)
+
 
 class MarkersMissing(ValueError):
     pass
 
 
+def doc_files(repo: Path) -> list[Path]:
+    """The pages that may hold generated blocks: README.md and docs/*.md."""
+    return [f for f in [Path(repo) / "README.md", *sorted((Path(repo) / "docs").glob("*.md"))] if f.is_file()]
+
+
+def locate(files, names=None, known=None) -> dict[str, Path]:
+    """Which of ``files`` holds each block of ``names`` (default: every known block). Each must appear exactly
+    once across the files, as a BEGIN line followed by its END line; a marker of an unknown name is an error
+    too (a typo would otherwise leave a block unrendered). Raises MarkersMissing listing every problem."""
+    known = set(BLOCKS if known is None else known)
+    names = list(names or known)
+    seen: dict[str, list[tuple[Path, str, int]]] = {}
+    for f in files:
+        for m in MARKER.finditer(Path(f).read_text()):
+            seen.setdefault(m[2], []).append((Path(f), m[1], m.start()))
+    problems = [f"{f}: unknown block '{n}' (known: {', '.join(sorted(known))})"
+                for n, hits in seen.items() if n not in known for f in sorted({h[0] for h in hits})]
+    where = {}
+    for name in names:
+        hits = seen.get(name, [])
+        begins = [h for h in hits if h[1] == "BEGIN"]
+        ends = [h for h in hits if h[1] == "END"]
+        begin, end = BEGIN.format(name=name), END.format(name=name)
+        if not hits:
+            problems.append(f"no '{begin}' ... '{end}' in {', '.join(map(str, files)) or 'no files'}: "
+                            f"add the pair, each on a line of its own, where the {name} block belongs")
+        elif len(begins) != 1 or len(ends) != 1 or begins[0][0] != ends[0][0] or begins[0][2] > ends[0][2]:
+            places = "; ".join(f"{h[1]} in {h[0]}" for h in hits)
+            problems.append(f"block '{name}' must appear exactly once, '{begin}' before '{end}' in the same "
+                            f"file, across {len(files)} file(s); found: {places}")
+        else:
+            where[name] = begins[0][0]
+    if problems:
+        raise MarkersMissing("\n".join(problems))
+    return where
+
+
+def relink(body: str, repo: Path, page: Path) -> str:
+    """``body``'s relative Markdown links, written from the repository root, made relative to ``page``'s folder
+    (a block in docs/ links ../records/...). URLs, anchors and absolute paths are left alone."""
+    base = Path(page).resolve().parent
+    root = Path(repo).resolve()
+
+    def fix(m: re.Match) -> str:
+        target = m[2]
+        if "://" in target or target.startswith(("#", "/", "mailto:")):
+            return m[0]
+        path, hash_, anchor = target.partition("#")
+        rel = Path(os.path.relpath(root / path, base)).as_posix()
+        return f"{m[1]}{rel}{hash_}{anchor}{m[3]}"
+    return LINK.sub(fix, body)
+
+
 def splice(text: str, name: str, body: str) -> str:
     """``text`` with the lines between the ``name`` markers replaced by ``body``."""
     begin, end = BEGIN.format(name=name), END.format(name=name)
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    pattern = re.compile("^" + re.escape(begin) + r"$.*?^" + re.escape(end) + "$", re.DOTALL | re.MULTILINE)
     if len(pattern.findall(text)) != 1:
         raise MarkersMissing(
-            f"expected exactly one pair of markers '{begin}' ... '{end}' in the README "
-            f"(found {len(pattern.findall(text))}); add them where the {name} table belongs"
+            f"expected exactly one pair of markers '{begin}' ... '{end}', each on a line of its own "
+            f"(found {len(pattern.findall(text))}); add them where the {name} block belongs"
         )
     return pattern.sub(lambda _: f"{begin}\n{body.strip()}\n{end}", text, count=1)
 
 
-def render(readme_text: str, repo: Path, names=None) -> str:
+def render(text: str, repo: Path, names=None, page: Path | None = None) -> str:
+    """``text`` (the page ``page``, default ``repo``/README.md) with the blocks ``names`` (default: all)
+    rendered; their links are made relative to the page."""
+    page = Path(repo) / "README.md" if page is None else page
     for name in names or BLOCKS:
-        readme_text = splice(readme_text, name, BLOCKS[name](repo))
-    return readme_text
+        text = splice(text, name, relink(BLOCKS[name](repo), repo, page))
+    return text
 
 
 RECORD_KINDS = {"lr-transfer": render_lr_transfer, "md-ablations": render_md_ablations,
@@ -511,9 +578,10 @@ def render_record(readme_text: str, repo: Path, rec: Path) -> str:
     kind = record_kind(rec.name)
     if kind is None:
         raise MarkersMissing(f"{rec.name} does not end with one of -{', -'.join(RECORD_KINDS)}")
-    readme_text = splice(readme_text, "record_summary", RECORD_KINDS[kind](repo, rec))
+    page = rec / "README.md"
+    readme_text = splice(readme_text, "record_summary", relink(RECORD_KINDS[kind](repo, rec), repo, page))
     if kind in CLAIM_KINDS and any(r.resolve() == rec.resolve() for r in _records().judged(repo, kind)):
-        readme_text = splice(readme_text, "record_claims", render_claims(repo, only=rec))
+        readme_text = splice(readme_text, "record_claims", relink(render_claims(repo, only=rec), repo, page))
     return readme_text
 
 
@@ -529,37 +597,52 @@ def record_readmes(repo: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Rewrite the generated tables in README.md.")
-    ap.add_argument("--readme", default=str(REPO / "README.md"))
+    ap = argparse.ArgumentParser(description="Rewrite the generated blocks of README.md and docs/*.md "
+                                             "(and of the records' READMEs) from benchmarks/results/ and records/.")
+    ap.add_argument("--file", "--readme", dest="files", action="append", metavar="PAGE",
+                    help="a Markdown page to search for blocks (repeatable; default: README.md and docs/*.md "
+                         "of --repo). Every block asked for must be in exactly one of them")
     ap.add_argument("--repo", default=str(REPO), help="where benchmarks/results/ and records/ are read")
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README is out of date; write nothing")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page is out of date; write nothing")
     ap.add_argument("--block", action="append", choices=sorted(BLOCKS), help="only this block (repeatable)")
     args = ap.parse_args(argv)
     repo = Path(args.repo)
-    jobs = [(Path(args.readme), lambda text: render(text, repo, args.block))]
+    pages = [Path(f) for f in args.files] if args.files else doc_files(repo)
+    try:
+        where = locate(pages, args.block)
+    except MarkersMissing as e:
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    jobs = []
+    for page in dict.fromkeys(where.values()):  # each page once, in the order of the blocks
+        names = [n for n, p in where.items() if p == page]
+        jobs.append((page, lambda text, page=page, names=names: render(text, repo, names, page)))
     if not args.block:  # the records' own READMEs too
         jobs += [(r, lambda text, rec=r.parent: render_record(text, repo, rec)) for r in record_readmes(repo)]
-    stale = 0
-    for readme, fn in jobs:
-        old = readme.read_text()
+    updates = []  # rendered in full before anything is written
+    for page, fn in jobs:
+        old = page.read_text()
         try:
-            new = fn(old)
+            updates.append((page, old, fn(old)))
         except MarkersMissing as e:
-            print(f"error: {readme}: {e}", file=sys.stderr)
+            print(f"error: {page}: {e}", file=sys.stderr)
             return 2
+    stale = 0
+    for page, old, new in updates:
         if args.check:
             if new != old:
-                diff = difflib.unified_diff(old.splitlines(), new.splitlines(), str(readme), "generated", lineterm="")
+                diff = difflib.unified_diff(old.splitlines(), new.splitlines(), str(page), "generated", lineterm="")
                 print("\n".join(diff))
-                print(f"{readme} is out of date: run python tools/render_readme_tables.py", file=sys.stderr)
+                print(f"{page} is out of date: run python tools/render_readme_tables.py", file=sys.stderr)
                 stale += 1
             else:
-                print(f"{readme} is up to date")
+                print(f"{page} is up to date")
         elif new != old:
-            readme.write_text(new)
-            print(f"rewrote {readme}")
+            page.write_text(new)
+            print(f"rewrote {page}")
         else:
-            print(f"{readme} already up to date")
+            print(f"{page} already up to date")
     return 1 if stale else 0
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/ns_engine.py: the counting pieces, one cheap section end to end, and its README table.
+"""benchmarks/ns_engine.py: the counting pieces, one cheap section end to end, and its docs table.
 
 No timing thresholds: the committed results carry the measured figures; here only that each figure is
 computed from what the run counted.

@@ -191,7 +191,7 @@ def test_render_rewrites_only_the_marked_block(tiny_run, tmp_path, capsys):
     repo = _temp_repo(tmp_path, out)
     readme = repo / "README.md"
     readme.write_text(README)
-    args = ["--readme", str(readme), "--repo", str(repo), "--block", "optimizer_step"]
+    args = ["--file", str(readme), "--repo", str(repo), "--block", "optimizer_step"]
     assert render.main([*args, "--check"]) == 1  # stale
     assert render.main(args) == 0
     text = readme.read_text()
@@ -211,12 +211,65 @@ def test_render_without_results_and_without_markers(tmp_path, capsys):
     readme = repo / "README.md"
     readme.write_text(README)
     one = ["--block", "optimizer_step"]
-    assert render.main(["--readme", str(readme), "--repo", str(repo), *one]) == 0
+    assert render.main(["--file", str(readme), "--repo", str(repo), *one]) == 0
     assert "No results yet" in readme.read_text()
     readme.write_text("# No markers here\n")
     capsys.readouterr()
-    assert render.main(["--readme", str(readme), "--repo", str(repo)]) == 2
+    assert render.main(["--file", str(readme), "--repo", str(repo)]) == 2
     err = capsys.readouterr().err
     assert "<!-- BEGIN optimizer_step -->" in err and "<!-- END optimizer_step -->" in err
     assert readme.read_text() == "# No markers here\n"  # untouched
-    assert render.main(["--readme", str(readme), "--repo", str(repo), "--check"]) == 2
+    assert render.main(["--file", str(readme), "--repo", str(repo), "--check"]) == 2
+
+
+def _page(*names: str, stale: str = "stale text") -> str:
+    return "# Page\n\n" + "".join(f"<!-- BEGIN {n} -->\n{stale}\n<!-- END {n} -->\n\n" for n in names)
+
+
+def test_blocks_are_found_in_readme_or_docs(tmp_path, capsys):
+    """Without --file the pages are README.md and docs/*.md of --repo; each block is rewritten where it is."""
+    repo = _temp_repo(tmp_path, None)
+    (repo / "docs").mkdir()
+    readme, perf, other = repo / "README.md", repo / "docs" / "performance.md", repo / "docs" / "other.md"
+    readme.write_text(_page("optimizer_state"))
+    perf.write_text(_page("optimizer_step"))
+    other.write_text("# Other\n\nNo blocks; `<!-- BEGIN optimizer_step -->` quoted in prose is no marker.\n")
+    two = ["--repo", str(repo), "--block", "optimizer_step", "--block", "optimizer_state"]
+    assert render.main([*two, "--check"]) == 1
+    assert render.main(two) == 0
+    assert "No results yet: run `make bench`" in perf.read_text() and "stale" not in perf.read_text()
+    assert "No results yet: run `python benchmarks/optimizer_state.py`" in readme.read_text()
+    assert other.read_text().startswith("# Other") and "No results" not in other.read_text()
+    assert render.main([*two, "--check"]) == 0
+    assert render.locate(render.doc_files(repo), ["optimizer_step", "optimizer_state"]) == {
+        "optimizer_step": perf, "optimizer_state": readme}
+
+    def fails(*must_say: str) -> None:
+        before = {f: f.read_text() for f in (readme, perf, other) if f.exists()}
+        capsys.readouterr()
+        assert render.main(two) == 2
+        err = capsys.readouterr().err
+        for s in must_say:
+            assert s in err, err
+        assert {f: f.read_text() for f in before} == before  # nothing written
+
+    other.write_text(_page("optimizer_step"))  # the same block on a second page
+    fails("block 'optimizer_step' must appear exactly once", "docs/other.md", "docs/performance.md")
+    other.write_text(_page("optimizer_setp"))  # a typo: unknown, not silently left stale
+    fails("unknown block 'optimizer_setp'")
+    other.write_text("<!-- BEGIN optimizer_step -->\n")  # a BEGIN with no END, beside a whole pair
+    fails("block 'optimizer_step' must appear exactly once")
+    other.unlink()
+    perf.write_text("# Performance\n")  # gone from every page
+    fails("no '<!-- BEGIN optimizer_step -->' ... '<!-- END optimizer_step -->'")
+
+
+def test_links_are_relative_to_the_page(tmp_path):
+    """A generated link is written from the repository root and lands relative to its page's folder."""
+    repo = tmp_path
+    page = repo / "docs" / "results.md"
+    body = "See ![plot](records/r/p.png), [page](docs/usage.md#logs), [web](https://example.org/a.png), [here](#top)."
+    out = render.relink(body, repo, page)
+    assert out == ("See ![plot](../records/r/p.png), [page](usage.md#logs), [web](https://example.org/a.png), "
+                   "[here](#top).")
+    assert render.relink(body, repo, repo / "README.md") == body

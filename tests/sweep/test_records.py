@@ -1,5 +1,5 @@
-"""megatron_md.sweep.records (summaries and verdicts of records/) and its README rendering, on synthetic
-records written here; and the real README's generated blocks are current."""
+"""megatron_md.sweep.records (summaries and verdicts of records/) and its rendering into the docs' and the
+records' READMEs, on synthetic records written here. (That the real pages are current: tests/test_docs.py.)"""
 
 from __future__ import annotations
 
@@ -300,7 +300,7 @@ def test_render_records_blocks(tmp_path):
     names = ["records_claims", "records_lr_transfer", "records_md_ablations", "records_manifold"]
     readme = tmp_path / "README.md"
     readme.write_text("# T\n\n" + "".join(f"<!-- BEGIN {n} -->\nSTALE\n<!-- END {n} -->\n\n" for n in names))
-    args = ["--readme", str(readme), "--repo", str(tmp_path)] + [x for n in names for x in ("--block", n)]
+    args = ["--file", str(readme), "--repo", str(tmp_path)] + [x for n in names for x in ("--block", n)]
     assert render.main(args) == 0
     text = readme.read_text()
     assert "STALE" not in text
@@ -311,6 +311,15 @@ def test_render_records_blocks(tmp_path):
     assert "optimum marked](records/2026-01-01-lr-transfer/lr_transfer.png)" in text
     assert "ablations.png)" not in text
     assert render.main(args + ["--check"]) == 0
+    # the same block on a page in docs/ links the figure from there
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    readme.unlink()
+    (docs / "results.md").write_text("<!-- BEGIN records_lr_transfer -->\n<!-- END records_lr_transfer -->\n")
+    assert render.main(["--repo", str(tmp_path), "--block", "records_lr_transfer"]) == 0
+    text = (docs / "results.md").read_text()
+    assert "optimum marked](../records/2026-01-01-lr-transfer/lr_transfer.png)" in text
+    assert (docs / "../records/2026-01-01-lr-transfer/lr_transfer.png").is_file()
 
 
 def _newer_at_width_256(old: Path) -> Path:
@@ -332,7 +341,7 @@ def test_render_writes_each_records_own_readme(tmp_path):
         (rec / "README.md").write_text("# what was run\n\n" + blocks)
     main = tmp_path / "README.md"
     main.write_text("".join(f"<!-- BEGIN {n} -->\n<!-- END {n} -->\n" for n in render.BLOCKS))
-    args = ["--readme", str(main), "--repo", str(tmp_path)]
+    args = ["--file", str(main), "--repo", str(tmp_path)]
     assert render.main(args + ["--check"]) == 1  # stale record READMEs are reported
     assert render.main(args) == 0 and render.main(args + ["--check"]) == 0
     t_old, t_new, t_abl = ((r / "README.md").read_text() for r in (old, newer, abl))
@@ -368,7 +377,7 @@ def test_probe_record_readme_gets_its_curvature_table_and_no_claims(tmp_path):
     (probe / "README.md").write_text("# probe\n\n<!-- BEGIN record_summary -->\n<!-- END record_summary -->\n")
     main = tmp_path / "README.md"
     main.write_text("".join(f"<!-- BEGIN {n} -->\n<!-- END {n} -->\n" for n in render.BLOCKS))
-    assert render.main(["--readme", str(main), "--repo", str(tmp_path)]) == 0
+    assert render.main(["--file", str(main), "--repo", str(tmp_path)]) == 0
     text = (probe / "README.md").read_text()
     assert "| muon_md | 64 |" in text and "**yes**" in text.split("| muon_md | 64 |")[1].splitlines()[0]
     assert "| adamw | 64 |" in text and "| no |" in text.split("| adamw | 64 |")[1].splitlines()[0]
@@ -379,12 +388,6 @@ def test_render_without_records(tmp_path):
     render = _load_renderer()
     assert "No `records/*-lr-transfer` yet" in render.render_lr_transfer(tmp_path)
     assert render.render_claims(tmp_path) == "_No records yet._"
-
-
-def test_repository_readme_is_current():
-    """README.md's generated blocks match benchmarks/results and records/ (run tools/render_readme_tables.py)."""
-    render = _load_renderer()
-    assert render.main(["--check"]) == 0
 
 
 def test_keep_record_copies_finished_cells_and_never_overwrites(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The GPU benchmark without a GPU: the README block rendered from a recorded sample (and from a partial
+"""The GPU benchmark without a GPU: its docs block rendered from a recorded sample (and from a partial
 run), the driver's --help, its refusal on a machine without CUDA, its time budget, and the shell script.
 
 ``data/gpu_bench_sample.json`` is hand-made in the schema ``benchmarks/gpu_bench.py`` writes (its
@@ -127,8 +127,7 @@ def test_partial_run_renders_failures(sample, render):
 
 def test_readme_block(tmp_path, render, sample):
     assert "gpu_bench" in render.BLOCKS
-    readme = (REPO / "README.md").read_text()
-    assert readme.count("<!-- BEGIN gpu_bench -->") == 1 and readme.count("<!-- END gpu_bench -->") == 1
+    render.locate(render.doc_files(REPO), ["gpu_bench"])  # exactly once across README.md and docs/*.md
     absent = render.render_gpu_bench(tmp_path)
     assert "has not been run on a device yet" in absent and "bash tools/gpu_bench.sh" in absent
     results = tmp_path / "benchmarks" / "results"
