@@ -12,7 +12,8 @@ Fast and standard library only (no torch import): it reads the tracked files (``
    (``README.md``). It may be written from the repository root, from the mentioning file's folder, or from
    ``megatron_md/`` (code says ``optim/md.py``). Not paths into this repository, and so skipped (``not_a_repo_path``):
    - patterns: a word with a placeholder character (``< > * $ { }``) or ``...``;
-   - URLs and paths outside the repository: ``scheme://...``, absolute (``/data/x.json``) and home paths;
+   - URLs and paths outside the repository: ``scheme://...``, absolute (``/data/x.json``) and home paths,
+     and paths in another project's tree (``DEPENDENCY_ROOTS``: ``megatron/core/...``, ``torch/...``);
    - what a run writes or a user supplies: paths under ``OUTPUT_ROOTS`` (``runs/``, ``logs/``, ``hf/``: the
      docs' example outputs), under a directory named in capitals (``OUT/results.csv``, ``DIR/...``: a
      directory you choose), and one-letter file names (``x.yaml``: any file of yours);
@@ -41,6 +42,7 @@ PATH_SUFFIXES = (".py", ".md", ".sh", ".sbatch", ".yaml", ".yml", ".json", ".tom
 CODE_SUFFIXES = (".py", ".sh", ".sbatch", ".yaml", ".yml")
 BASES = ("", "megatron_md")  # besides the mentioning file's own folder
 OUTPUT_ROOTS = {"runs", "logs", "hf"}
+DEPENDENCY_ROOTS = {"megatron", "torch", "transformer_engine", "transformers", "emerging_optimizers"}
 RETIRED = ("ALGORITHMS" + ".md", "MEGATRON" + "_HOOKS", "shared" + "/design")  # spelt apart: not a mention
 
 # A word that may be a path: what a shell or a Markdown sentence would keep together.
@@ -155,6 +157,8 @@ def not_a_repo_path(word: str) -> bool:
         return True
     if "://" in word or word.startswith(("/", "~")):
         return True
+    if word.split("/", 1)[0] in DEPENDENCY_ROOTS:
+        return True
     first, name = word.removeprefix("./").split("/", 1)[0], word.rsplit("/", 1)[-1]
     if "/" in word and re.fullmatch(r"[A-Z][A-Z0-9_]*", first):  # OUT/results.csv: a directory you name
         return True
@@ -205,7 +209,7 @@ def code_comments(path: str):
 
 
 def dangling_mentions() -> list[str]:
-    bad = []
+    bad: list[str] = []
     for path in tracked():
         if path.endswith(".md"):
             chunks = [(1, (REPO / path).read_text())]
@@ -217,7 +221,7 @@ def dangling_mentions() -> list[str]:
             for offset, word in mentions(text):
                 if not resolves(word, path):
                     bad.append(f"{path}:{line + offset} -> {word}")
-    return bad
+    return list(dict.fromkeys(bad))  # a link's text and target often name the same path
 
 
 def test_mentioned_paths_exist():
@@ -230,7 +234,7 @@ def test_mention_rules():
         "see `optim/md.py`, tests/test_a.py::test_b, docs/usage.md#logs and (tools/run.py:12); ./tools/go.sh.\n"
         "not: runs/<time>/config.yaml, $OUT/x.yaml, OUT/results.csv, https://h.org/a.py, /data/t.json, "
         "hf/m/config.json, examples/..., records/*/README.md, logs/run.txt, examples/md_paper/x.yaml, the `.md` "
-        "file, megatron_md.optim.md\nbare README.md and setup.py")]
+        "file, megatron_md.optim.md, megatron/core/optimizer/muon.py\nbare README.md and setup.py")]
     assert found == ["optim/md.py", "tests/test_a.py", "docs/usage.md", "tools/run.py", "./tools/go.sh", "README.md"]
     assert resolves("optim/md.py", "tools/x.py") and resolves("grids/example_lr_sweep.tsv", "slurm/README.md")
     assert not resolves("optim/nothing.py", "tools/x.py")
