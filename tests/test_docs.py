@@ -78,7 +78,8 @@ def without_code(text: str) -> str:
             out.append("")
         else:
             out.append("" if fence else line)
-    return re.sub(r"(`+)(.+?)\1", lambda m: re.sub(r"[^\n]", " ", m[0]), "\n".join(out), flags=re.DOTALL)
+    span = re.compile(r"(`+)((?:(?!\n\s*\n).)+?)\1", re.DOTALL)  # a code span ends at its paragraph's end
+    return span.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), "\n".join(out))
 
 
 def slug(heading: str) -> str:
@@ -123,11 +124,8 @@ def broken_link(page: str, target: str) -> str | None:
     path, _, anchor = target.partition("#")
     here = REPO / page
     dest = (here.parent / path).resolve() if path else here
-    try:
-        dest.relative_to(REPO)
-    except ValueError:
-        if not (REPO / path).exists():  # links into a symlinked folder resolve outside it; judge the name
-            return "outside the repository"
+    if not dest.is_relative_to(REPO):
+        return "outside the repository"
     if not dest.exists():
         return "no such file"
     if anchor and dest.suffix == ".md" and dest.is_file() and anchor not in anchors(dest):
