@@ -16,6 +16,17 @@ $(STAMP): pyproject.toml tools/setup_venv.sh
 demo: $(STAMP)
 	$(VENV)/bin/megatron-md demo
 
+# Into the environment of PYTHON (an NGC container's, say), keeping its torch and Transformer Engine
+# (docs/install.md, path b; no .venv). The wheel, with the recipes and the corpus, into dist/ (built by
+# .venv's Python if there is one, else PYTHON's; it must be 3.12 or newer).
+.PHONY: install-env wheel
+PYTHON ?= python3
+install-env:
+	$(PYTHON) -m pip install --no-build-isolation ".[gpu]"
+
+wheel:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip wheel --no-deps -w dist . && rm -rf build
+
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
