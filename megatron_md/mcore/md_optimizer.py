@@ -2,7 +2,7 @@
 
 ``--optimizer muon_md`` / ``adam_md`` / ``lion_md`` / ``soap_md`` are registered in megatron-core's
 emerging-optimizer registry, so they ride on its param groups, bf16 master weights, chained and layer-wise
-distributed optimizers. Routing (ALGORITHMS.md §2.4):
+distributed optimizers. Routing (docs/optimizers.md §1.8):
 
 - hidden matrices (QKV split per Q/K/V block, proj, fc1, fc2, each expert's own matrices):
   MD with the base update (Muon, Adam, Lion or SOAP), flat sphere, row+col gains, ``--matrix-lr``
@@ -187,7 +187,7 @@ class MegatronMD(MDOptimizer):
                 self._init_param(p, hp, project=True)
 
     def prepare_group(self, group: dict) -> None:
-        # Gains follow the matrix group's schedule coefficient (ALGORITHMS.md §2.5).
+        # Gains follow the matrix group's schedule coefficient (docs/optimizers.md §1.7).
         max_lr = group.get("max_lr") or 0.0
         group["gains_lr"] = group["gains_max_lr"] * (group["lr"] / max_lr if max_lr > 0 else 1.0)
 
@@ -302,7 +302,7 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
     }
     if out_proj:
         # Paper option: out-projections live on a sphere of radius sqrt(max(m,n))/sqrt(2L) and
-        # their Muon update shrinks by the same factor (ALGORITHMS.md §2.2).
+        # their Muon update shrinks by the same factor (docs/optimizers.md §1.2).
         key = ParamKey(predicate=ParamPredicate(name="md_out_proj", fn=lambda p: _is_hidden_matrix(p) and _is_out_proj(p)))
         radius = {"radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5} if config.md_out_proj_radius else {}
         out[key] = {**band(matrix_lr, "out_proj"), "md_role": "hidden", "out_proj": True, **radius, **keep}

@@ -79,7 +79,7 @@ def adam_(
     theta: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int | float,
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
 ) -> None:
-    """Bias-corrected Adam with decoupled weight decay, in place (ALGORITHMS.md §1.3); step counts from 1."""
+    """Bias-corrected Adam with decoupled weight decay, in place (docs/optimizers.md §3.3); step counts from 1."""
     if weight_decay:
         theta.mul_(1.0 - lr * weight_decay)
     theta.sub_(adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps), alpha=lr)

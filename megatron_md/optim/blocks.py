@@ -1,5 +1,5 @@
 """Blocks of a matrix: a plain matrix is one block; Megatron's fused QKV is three (Q, K, V), each projected
-and orthogonalised on its own (ALGORITHMS.md §2.2). Pure torch; TP shards report global block shapes
+and orthogonalised on its own (docs/optimizers.md §1.2). Pure torch; TP shards report global block shapes
 through a ``Reducer``."""
 
 from __future__ import annotations

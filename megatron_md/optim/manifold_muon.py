@@ -1,4 +1,4 @@
-"""ManifoldMuon: module-wise Manifold Muon as a torch optimizer (ALGORITHMS.md §3.4), pure torch.
+"""ManifoldMuon: module-wise Manifold Muon as a torch optimizer (docs/optimizers.md §2.1), pure torch.
 
 Per matrix: sum-form momentum ``buf ← μ·buf + g``, ``u = g + μ·buf`` (Nesterov) as [MM-code], then
 ``manifold="none"``: plain Muon ``W ← W(1 - lr·wd) - lr·msign(u)`` (the only branch with weight decay);

@@ -1,4 +1,4 @@
-"""Manifold Muon on Gram-constrained matrix manifolds (ALGORITHMS.md §3), pure torch.
+"""Manifold Muon on Gram-constrained matrix manifolds (docs/optimizers.md §2), pure torch.
 
 Geometries constrain the Gram matrix ``WᵀW`` of a tall matrix through a self-adjoint projector ``P``:
 Stiefel (``P = Id``, ``WᵀW = I``), DGram (``P = Off``: orthogonal columns, free norms), Oblique
@@ -14,7 +14,7 @@ Measured (tests/optim/test_manifolds.py, K = 20, α = 0.1, gradient entries ~1e-
 ``N(0, 1/n)`` init projected on the manifold): faithful Polar Express fp32 = the exact-SVD reference to
 3 digits; RMS tangent violation of a cold faithful step: Stiefel 64x32 / 32x64 / 96x32 0.032 / 0.035 /
 0.0037, DGram 0.25 / 0.23 / 0.29 (the figure depends on shape and on the spread of the DGram column
-norms: the dual step is absolute, §3.4). Fast mode (``manifold_muon_fast``: one msign per step, the
+norms: the dual step is absolute, docs/optimizers.md §2.4). Fast mode (``manifold_muon_fast``: one msign per step, the
 dual ascent amortised over steps) on a 768x256 momentum trajectory: violation 0.015 (Stiefel) and 0.030
 (DGram) against faithful's 0.006 / 0.016, descent ⟨G, W - W⁺⟩ within 0.5-3% of faithful; on cold
 steps within 3% of a converged (K = 2000) solve, where faithful is up to 6% short (DGram).
@@ -405,7 +405,7 @@ def manifold_muon_fast(
       ``Λ_ij ← Λ_ij - dual_lr·s·H_ij/(d_i² + d_j²)`` with ``s = ‖X‖_F/√n`` and ``d² = diag(WᵀW)``: the
       step is a diagonal Newton step for the dual (∂H_ij/∂Λ_ij ≈ 2(d_i²+d_j²)/σ), so it does not depend
       on the gradient's scale or on DGram column norms, unlike the reference's absolute ``dual_lr``
-      (§3.4); the last update is kept as the next step's ``C`` (the returned ``A`` is from the last msign).
+      (docs/optimizers.md §2.4); the last update is kept as the next step's ``C`` (the returned ``A`` is from the last msign).
     * msign is Polar Express with ``msign_steps``; the Stiefel retraction is ``near_orthogonal_polar``,
       the DGram one ``DGram.retract_gram`` (the reference's retraction without a tall SVD).
     Returns ``(W⁺, C, info)``; ``C`` is ``[.., n, n]`` with ``n = min(m, n)``.

@@ -1,9 +1,9 @@
-"""Magnitude-Direction (MD) decoupling mathematics, shared by MuonMD and AdamMD (ALGORITHMS.md §2).
+"""Magnitude-Direction (MD) decoupling mathematics, shared by MuonMD and AdamMD (docs/optimizers.md §1).
 
 A managed matrix is stored fused, ``W = diag(γ_r) · Ŵ · diag(γ_c)``: the direction ``Ŵ`` lives on a sphere,
-the gains ``γ = φ(ρ)`` live in optimizer state. One step (``md_step_``) follows §2.3 in order.
+the gains ``γ = φ(ρ)`` live in optimizer state. One step (``md_step_``) follows §1.4 in order.
 
-Options of the authors' code (§2.1-2.3): gains per row and column, per row, per column, one per matrix
+Options of the authors' code (docs/optimizers.md §1.2-1.4): gains per row and column, per row, per column, one per matrix
 (``flat``) or ``embed`` (row gains, column gains on out-projections); parametrisations softplus / direct /
 offset / exp; ``preserve_init`` (gains seeded with the initial norms instead of projecting the weights);
 the tangential gradient (``tangent_grad``, ``--hs-p``) and the update normalised onto the sphere
@@ -128,7 +128,7 @@ class MDHyperParams:
     weight_decay: float = 0.0
     gains_betas: tuple[float, float] = (0.9, 0.99)
     gains_eps: float = 1e-8
-    gains_weight_decay: float | None = None  # None: same as weight_decay (ALGORITHMS.md §2.5)
+    gains_weight_decay: float | None = None  # None: same as weight_decay (docs/optimizers.md §1.7)
     qkv_split_shapes: tuple[int, int, int] | None = None
     radius_scale: float = 1.0  # flat-sphere radius multiplier (paper option: 1/sqrt(2L) on out-projections)
     out_proj: bool = False  # the group holds out-projections (attention proj, fc2): "embed" means col for them
@@ -303,7 +303,7 @@ class BaseUpdate:
 
 
 class MuonBase(BaseUpdate):
-    """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (§2.3 steps 5-6)."""
+    """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (docs/optimizers.md §1.5)."""
 
     orthogonalizes = True
     writes_direction_grad = True  # Nesterov's lerp runs in Ĝ's memory
@@ -323,7 +323,7 @@ class MuonBase(BaseUpdate):
 
 
 class AdamBase(BaseUpdate):
-    """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, §2.3 last paragraph)."""
+    """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, docs/optimizers.md §1.5)."""
 
     has_step = True
 
@@ -433,7 +433,7 @@ def md_prepare(
     p: torch.Tensor, grad: torch.Tensor, state: dict, hp: MDHyperParams, base: BaseUpdate,
     reducer: Reducer = LOCAL_REDUCER, blocks: list[Block] | None = None,
 ) -> MDPrepared:
-    """Phase 1 (ALGORITHMS.md §2.3 steps 1-5): gain gradients with the OLD gains through φ', the direction
+    """Phases 1-5 (docs/optimizers.md §1.4): gain gradients with the OLD gains through φ', the direction
     gradient Ĝ and the base direction (momentum, or Adam moments). ``p`` and the gains are not changed."""
     gp = gain_param(hp.gain_param, hp.gmin)
     if blocks is None:
@@ -462,7 +462,7 @@ def md_finish_(
     p: torch.Tensor, prep: MDPrepared, state: dict, hp: MDHyperParams, base: BaseUpdate,
     reducer: Reducer = LOCAL_REDUCER, orthogonalized: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """Phase 3 (§2.3 steps 6-9): the direction step (with msign's ``orthogonalized`` blocks for Muon), the
+    """Phases 7-10 (docs/optimizers.md §1.4): the direction step (with msign's ``orthogonalized`` blocks for Muon), the
     sphere, Adam on the raw gains, and the re-fused weight written into ``p``."""
     gp = gain_param(hp.gain_param, hp.gmin)
     g_row, g_col = current_gains(state, hp)
@@ -524,7 +524,7 @@ def md_step_(
     orthogonalize: Orthogonalize | None = None,
     blocks: list[Block] | None = None,
 ) -> None:
-    """One MD step on matrix ``p`` in place, ALGORITHMS.md §2.3 in order. ``state`` must be initialised."""
+    """One MD step on matrix ``p`` in place, docs/optimizers.md §1.4 in order. ``state`` must be initialised."""
     prep = md_prepare(p, grad, state, hp, base, reducer, blocks)
     orth = None
     if base.orthogonalizes:

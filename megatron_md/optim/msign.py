@@ -2,7 +2,7 @@
 
 ``msign(X) = U Vᵀ`` for ``X = U Σ Vᵀ``. The iteration ``X <- aX + (bA + cA²)X`` with ``A = XXᵀ`` applies the
 odd polynomial ``p(σ) = aσ + bσ³ + cσ⁵`` to every singular value while keeping the singular vectors, so
-after normalising ``‖X‖_op <= 1`` a few steps push all singular values towards 1 (ALGORITHMS.md §1.1).
+after normalising ``‖X‖_op <= 1`` a few steps push all singular values towards 1 (docs/optimizers.md §3.1).
 Pure torch, no process groups: tensor-parallel callers orthogonalise full (gathered) blocks themselves.
 """
 
@@ -114,7 +114,7 @@ def msign(
 
 
 def scale_factor(m: int, n: int, mode: str = "shape_up") -> float:
-    """Factor multiplying ``msign(U)`` of an ``m x n`` (global) matrix in the Muon update (ALGORITHMS.md §1.2).
+    """Factor multiplying ``msign(U)`` of an ``m x n`` (global) matrix in the Muon update (docs/optimizers.md §3.2).
 
     ``shape_up`` gives ``‖s·msign(U)‖_F = sqrt(max(m, n))``, the flat-sphere radius, so the relative
     update of an MD matrix equals the learning rate.

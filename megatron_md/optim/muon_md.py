@@ -1,4 +1,4 @@
-"""MuonMD and AdamMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py`` (ALGORITHMS.md §2).
+"""MuonMD and AdamMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py`` (docs/optimizers.md §1).
 
 Both project every managed matrix onto its sphere at construction and start the gains at exactly 1,
 so the first forward equals the projected model's. 1-D parameters (norm gains, biases) are refused:

@@ -1,4 +1,4 @@
-"""Geometry policy: which module gets which weight geometry and which base update (ALGORITHMS.md §2.4, §3.5).
+"""Geometry policy: which module gets which weight geometry and which base update (docs/optimizers.md §1.8, §2.8).
 
 A parameter name maps to a *role* (``attention.qkv``, ``mlp.fc2``, ``experts.fc1``, ``router``, ...); a
 ``GeometryPolicy`` maps a role to ``Assignment(geometry, base)`` with geometry ∈ GEOMETRIES and base ∈
@@ -128,7 +128,7 @@ def _rules(pairs: Iterable[tuple[str, str]]) -> tuple[Rule, ...]:
 
 
 PRESETS: dict[str, tuple[Rule, ...]] = {
-    # Paper B's five (ALGORITHMS.md §3.5); the MoE router stays on plain Muon there.
+    # The Manifold Muon paper's five (docs/optimizers.md §2.8); the MoE router stays on plain Muon there.
     "unconstrained": (),
     "all-stiefel": _rules([("attention", "stiefel"), ("mlp", "stiefel"), ("experts", "stiefel")]),
     "all-dgram": _rules([("attention", "dgram"), ("mlp", "dgram"), ("experts", "dgram")]),

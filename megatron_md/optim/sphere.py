@@ -1,4 +1,4 @@
-"""The spheres of MD's directions (ALGORITHMS.md §2.2): projection, radii, and the tangent space.
+"""The spheres of MD's directions (docs/optimizers.md §1.2): projection, radii, and the tangent space.
 
 ``flat``: ``‖Ŵ‖_F = r`` (default ``sqrt(max(M, N))`` of the global block shape); ``row`` / ``col``: every row /
 column of unit norm; ``embed``: ``row`` for most matrices and ``col`` for out-projections (resolved by the

@@ -28,7 +28,7 @@ def _off(M_):
 
 
 def _point(shape, manifold, seed=0, dtype=torch.float32):
-    """A manifold point from a GPT-2-like init, and a 'well-scaled' gradient (entries ~1e-2, §5.1)."""
+    """A manifold point from a GPT-2-like init, and a 'well-scaled' gradient (entries ~1e-2, docs/optimizers.md §2.7)."""
     g = torch.Generator().manual_seed(seed)
     m, n = shape
     W = torch.randn(m, n, generator=g, dtype=torch.float64) / min(m, n) ** 0.5
@@ -217,7 +217,7 @@ def test_fast_mode_accuracy_against_faithful(manifold):
 
 def test_fast_mode_is_scale_free():
     """The fast dual step scales with the gradient, so a 100x smaller gradient gives the same step; the
-    reference's absolute dual step does not (ALGORITHMS.md §3.4)."""
+    reference's absolute dual step does not (docs/optimizers.md §2.4, §2.5)."""
     big = _trajectory("stiefel", (96, 32), steps=6)
     small = _trajectory("stiefel", (96, 32), steps=6, gscale=0.01)
     for b, s_ in zip(big, small):

@@ -79,7 +79,7 @@ def test_sphere_and_fusion_invariants_every_step(opt_name, shape_name):
     assert (g_row - 1).abs().max() > 1e-3 and (g_col - 1).abs().max() > 1e-3, "gains should have moved"
 
 
-# --- an explicit float64 reference of ALGORITHMS.md §2.3 (own blocks, own Adam), for plain and QKV matrices
+# --- an explicit float64 reference of docs/optimizers.md §1.4 (own blocks, own Adam), for plain and QKV matrices
 
 
 def _ref_run(W0, grads, base, split, lr, gains_lr, momentum=0.95, betas=(0.9, 0.99), eps=1e-8):

@@ -1,4 +1,4 @@
-"""MD options of the authors' code (ALGORITHMS.md §2.1-2.3): flat / embed gains and sphere, the offset
+"""MD options of the authors' code (docs/optimizers.md §1.2-1.5): flat / embed gains and sphere, the offset
 parametrisation, preserve_init, the tangential gradient (--hs-p), the normalised update (--hs-u), and the Lion
 base, each against an independent fp64 computation: the gain gradients come from autograd through φ, the sphere
 and tangent space from their definitions, the bases from their papers' equations."""
@@ -44,7 +44,7 @@ def _radial(G, W, sphere):
 
 
 class Reference:
-    """One managed matrix in fp64, written from ALGORITHMS.md §2.3 without the package's MD code."""
+    """One managed matrix in fp64, written from docs/optimizers.md §1.4 without the package's MD code."""
 
     def __init__(self, W0, base, lr, gains_lr, sphere="flat", gains="rowcol", phi="softplus", tangent=False,
                  normalize=False, preserve=False):

@@ -48,7 +48,7 @@ def test_layer_of():
     assert layer_of("output_layer.weight") is None
 
 
-PAPER = {  # preset: (attention, mlp) per ALGORITHMS.md §3.5
+PAPER = {  # preset: (attention, mlp) per docs/optimizers.md §2.8
     "unconstrained": ("none", "none"),
     "all-stiefel": ("stiefel", "stiefel"),
     "all-dgram": ("dgram", "dgram"),
