@@ -85,6 +85,36 @@ def fmt_log_line(rec: dict, train_iters: int) -> str:
     return " " + " | ".join(parts) + " |"
 
 
+WANDB_ID_FILE = "wandb_run_id.txt"
+WANDB_MODE_ALIASES = {"dryrun": "offline", "run": "online"}  # W&B's older names
+
+
+def wandb_settings(lg, run_dir: Path, env=None) -> dict:
+    """``wandb.init`` arguments: each flag when given, else W&B's own environment variable, else ours.
+
+    - mode: ``--wandb-mode``, else ``WANDB_MODE`` (``WANDB_DISABLED=true``: disabled), else online when there is a
+      project (``--wandb-project`` or ``WANDB_PROJECT``), else offline;
+    - project: ``--wandb-project``, else ``WANDB_PROJECT``, else ``megatron_md``;
+    - name: ``--wandb-exp-name``, else ``WANDB_NAME``, else the run directory's name;
+    - dir: ``--wandb-save-dir``, else ``WANDB_DIR``, else the run directory.
+
+    Settings without a flag (``WANDB_ENTITY``, ``WANDB_RUN_GROUP``, ``WANDB_TAGS``, ``WANDB_NOTES``, ``WANDB_RUN_ID``,
+    ``WANDB_API_KEY``, ...) are not passed, so W&B reads them itself.
+    """
+    env = os.environ if env is None else env
+    project = lg.wandb_project or env.get("WANDB_PROJECT") or None
+    mode = lg.wandb_mode or env.get("WANDB_MODE") or None
+    if mode is None and env.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        mode = "disabled"
+    mode = mode or ("online" if project else "offline")
+    return {
+        "mode": WANDB_MODE_ALIASES.get(mode, mode),
+        "project": project or "megatron_md",
+        "name": lg.wandb_exp_name or env.get("WANDB_NAME") or Path(run_dir).name,
+        "dir": lg.wandb_save_dir or env.get("WANDB_DIR") or str(run_dir),
+    }
+
+
 class RunLogger:
     """Writes the run directory on the logging rank; a no-op elsewhere."""
 
@@ -111,20 +141,18 @@ class RunLogger:
             self.tb = SummaryWriter(tb_dir)
         except Exception as e:  # tensorboard is a soft dependency of the log, not of training
             self.print(f"[warn] tensorboard disabled: {e}")
-        mode = lg.wandb_mode or ("online" if lg.wandb_project else "offline")
-        if mode != "disabled":
+        w = wandb_settings(lg, self.run_dir)
+        if w["mode"] != "disabled":
             try:
                 import wandb
 
-                self.wandb = wandb.init(
-                    project=lg.wandb_project or "megatron_md",
-                    name=lg.wandb_exp_name or self.run_dir.name,
-                    dir=lg.wandb_save_dir or str(self.run_dir),
-                    mode=mode,
-                    config=cfg.to_dict(),
-                    resume="allow" if resumed else None,
-                )
-                self.print(f"W&B {mode} run: {self.wandb.dir}")
+                id_file = self.run_dir / WANDB_ID_FILE
+                if resumed and "WANDB_RUN_ID" not in os.environ and id_file.exists():
+                    w["id"] = id_file.read_text().strip()  # a resumed run (a requeued job) continues its W&B run
+                Path(w["dir"]).mkdir(parents=True, exist_ok=True)
+                self.wandb = wandb.init(**w, config=cfg.to_dict(), resume="allow" if resumed else None)
+                id_file.write_text(self.wandb.id + "\n")
+                self.print(f"W&B {w['mode']} run {self.wandb.id} ({w['project']}/{w['name']}): {self.wandb.dir}")
             except Exception as e:
                 self.print(f"[warn] wandb disabled: {e}")
         show_bar = lg.progress_bar if lg.progress_bar is not None else sys.stderr.isatty()
