@@ -7,8 +7,10 @@
 # Offline machines: put wheels for megatron-core, emerging-optimizers (and optionally
 # transformer-engine) in ./.whl; they are installed to /tmp/site first. The TE layer spec is
 # used when transformer_engine imports, the local spec otherwise. Prints tokens/s per model.
+# A check of an install (minutes). The few-second check the SLURM scripts run on every node before a job
+# (GPUs visible, one all-reduce across all ranks) is slurm/smoke.py.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 STEPS=${STEPS:-20}
 NPROC=${NPROC:-1}
 OUTDIR=${OUTDIR:-runs/gpu_smoke}

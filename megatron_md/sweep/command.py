@@ -14,18 +14,29 @@ from megatron_md.sweep import grid as G
 PROG = "megatron-md lr-sweep"
 
 EPILOG = f"""
-LR ladder: lr_k = 1e-3 * 2^(k/2). Swept flag: adamw, muon -> --lr; muon_md, adam_md, manifold_muon ->
---matrix-lr, their other LRs fixed (muon_md, adam_md: --lr 1e-3 --embedding-lr 3e-3; manifold_muon:
---lr 6e-4; a value the base config sets wins).
-Default centres k: {', '.join(f'{n} {r.k_center}' for n, r in G.RECIPES.items())}.
-Recipes: adamw, muon warm up 10% of the steps with weight decay 0.1; muon_md, adam_md neither;
-manifold_muon 2% and 0.1.
+LR ladder: lr_k = 1e-3 * 2^(k/2) (k=7: 1.13e-2, k=12: 6.4e-2). Swept flag: adamw, muon -> --lr; muon_md,
+adam_md, lion_md, soap_md, manifold_muon -> --matrix-lr, their other LRs fixed (MD: --lr 1e-3
+--embedding-lr 3e-3; manifold_muon: --lr 6e-4; a value the base config sets wins).
+Which LRs: --k-range OPT=LO:HI (the points LO..HI) wins, then explicit --lrs LRs, then --lrs N: N points
+--k-step apart around a centre k, which is --k-center OPT=K, else the base config's own value of the swept
+flag (when the config trains that optimizer and sets it: a GPU recipe is swept around its own LR, e.g.
+examples/md_paper's --matrix-lr 1.13e-2 -> k 7), else the CPU-measured default:
+{', '.join(f'{n} {r.k_center}' for n, r in G.RECIPES.items())}.
+Recipes: adamw, muon warm up 10% of the steps with weight decay 0.1; MD optimizers neither; manifold_muon 2%
+and 0.1.
+Several comma-separated --config YAMLs make a model ladder: each trains at its own width (--widths omitted),
+e.g. the md_paper recipes dense-181m .. dense-1.29b (slurm/width_ladder.sh writes and submits that grid).
+GPUs: a local sweep runs each cell as `megatron-md train` (add -- --nproc-per-node N for N GPUs
+a cell); --slurm-grid with --gpus-per-cell N makes each array task of slurm/lr_sweep.sbatch a cell on N GPUs
+of one node (GPUS_PER_CELL).
 Flags after '--' go to every cell's `megatron-md train` (e.g. -- --mock-data --seq-length 128).
 Outputs: OUT/cells/<cell>/ (run dir + result.json), OUT/results.csv, OUT/optima.csv, OUT/lr_transfer.png;
---coord-check: OUT/coord_check.csv and .png.
+--coord-check: OUT/coord_check.csv and .png. More: docs/sweeps.md.
 
   {PROG} --model tiny-dense --out runs/lrt --widths 64,128 --lrs 3 --steps 20 --optimizers adamw,muon_md -- --mock-data
   {PROG} --config examples/lr_transfer/dense_cpu.yaml --corpus runs/corpus --widths 64,128,256 --seeds 1,2
+  {PROG} --config examples/md_paper/dense-181m_muon_md.yaml,examples/md_paper/dense-307m_muon_md.yaml \\
+      --optimizers muon_md --lrs 5 --steps 2000 --gpus-per-cell 8 --slurm-grid runs/grids/ladder.tsv -- --data-path P --tokenizer-model T
 """
 
 
@@ -33,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Zero-shot LR-transfer sweep over widths.", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     base = p.add_mutually_exclusive_group()
-    base.add_argument("--config", help="Base YAML of every cell (`train --config`).")
+    base.add_argument("--config", help="Base YAML of every cell (`train --config`); several, comma-separated: a "
+                      "model ladder, each YAML at its own width.")
     base.add_argument("--model", help="Base preset of every cell (`train --model`) [default: tiny-dense when "
                       "there is no --config].")
     p.add_argument("--out", default="runs/lr-sweep", help="Sweep directory; rerun with the same one to resume "
@@ -42,16 +54,17 @@ def parser() -> argparse.ArgumentParser:
                    "on first use (adds --data-path and --tokenizer-model to every cell).")
     p.add_argument("--corpus-vocab", type=int, default=4096, metavar="N",
                    help="--corpus: SentencePiece vocabulary size of its tokenizer [default: 4096].")
-    p.add_argument("--widths", required=True, help="Comma-separated --hidden-size values (heads = width / "
-                   "--kv-channels, FFN = ratio x width).")
+    p.add_argument("--widths", help="Comma-separated --hidden-size values (heads = width / --kv-channels, FFN = "
+                   "ratio x width) [default with --config: the config's own width; required with --model].")
     p.add_argument("--optimizers", default="adamw,muon,muon_md", help="Comma-separated: " + ", ".join(G.RECIPES)
                    + " (adam = adamw). [default: adamw,muon,muon_md]")
     p.add_argument("--lrs", default="5", help="N (N ladder points around each optimizer's centre; even N: one "
                    "more above) or comma-separated LRs. [default: 5]")
     p.add_argument("--k-center", action="append", default=[], metavar="OPT=K",
-                   help="Centre k of --lrs N for an optimizer (repeatable or comma-separated).")
+                   help="Centre k of --lrs N for an optimizer (repeatable or comma-separated) [default: the base "
+                   "config's own swept LR for that optimizer, else the CPU-measured centre; see below].")
     p.add_argument("--k-range", action="append", default=[], metavar="OPT=LO:HI",
-                   help="Ladder points LO..HI for an optimizer (wins over --lrs).")
+                   help="Ladder points LO..HI (every --k-step) for an optimizer; wins over --lrs and --k-center.")
     p.add_argument("--k-step", type=int, default=1, metavar="N",
                    help="Ladder points N apart in k (2: each LR twice the last) for --lrs N, --k-range and "
                    "--extend-edges [default: 1, a factor sqrt(2)].")
@@ -83,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="Print every cell's command; run nothing.")
     p.add_argument("--slurm-grid", metavar="FILE", help="Write the grid as slurm/lr_sweep.sbatch's TSV and print "
                    "the sbatch command; run nothing.")
+    p.add_argument("--gpus-per-cell", type=int, metavar="N",
+                   help="With --slurm-grid: each array task (one cell) trains on N GPUs of one node; the printed "
+                   "sbatch command asks for them (GPUS_PER_CELL) [default: 1].")
     p.add_argument("--collect", metavar="SLURM_OUT", help="Gather the cells slurm/lr_sweep.sbatch trained into "
                    "SLURM_OUT/<cell>/run (its OUT) into --out's CSVs and plot; give the grid flags used for "
                    "--slurm-grid. Runs nothing.")
@@ -127,26 +143,47 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
     if getattr(a, "extend_edges", 0) and (a.dry_run or a.slurm_grid or a.collect or a.coord_check):
         raise G.GridError("--extend-edges needs the results of the grid, so it runs locally only; drop it with "
                           "--dry-run/--slurm-grid/--collect/--coord-check (rerun a wider --k-range instead)")
+    if getattr(a, "gpus_per_cell", None) is not None and (a.gpus_per_cell < 1 or not a.slurm_grid):
+        raise G.GridError(f"--gpus-per-cell {a.gpus_per_cell}: give N >= 1, together with --slurm-grid (a local "
+                          "sweep's cells take -- --nproc-per-node N)")
     from megatron_md.sweep import runner
+    from megatron_md.training import config as C
 
     explicit = runner.base_explicit(base)
+    try:
+        base_cfg = C.resolve(None if a.config else base[1], a.config, {})
+    except ValueError as e:
+        raise G.GridError(str(e)) from None
     steps = a.steps
     if steps is None:
-        if a.coord_check:
-            steps = 5
-        else:
-            from megatron_md.training import config as C
-
-            try:
-                steps = C.resolve(None if a.config else base[1], a.config, {}).training.train_iters
-            except ValueError as e:
-                raise G.GridError(str(e)) from None
+        steps = 5 if a.coord_check else base_cfg.training.train_iters
+    if a.widths is None:
+        if not a.config:
+            raise G.GridError("--widths is required with --model (with --config, the config's own width is the "
+                              "default)")
+        widths = [base_cfg.model.hidden_size]
+    else:
+        widths = G.parse_widths(a.widths)
+    k_centers = G.parse_k_centers(a.k_center)
+    k_ranges = G.parse_k_ranges(a.k_range)
+    lrs = G.parse_lrs(a.lrs)
+    unused = (set(k_centers) | set(k_ranges)) - set(optimizers)
+    if unused:
+        raise G.GridError(f"--k-center/--k-range for {', '.join(sorted(unused))}, which is not in --optimizers")
+    notes = []
+    for opt, (k, lr) in G.config_centers(optimizers, base_cfg, explicit).items():
+        if opt in k_centers:
+            continue
+        k_centers[opt] = k
+        if isinstance(lrs, int) and opt not in k_ranges:
+            notes.append(f"{opt}: --lrs {lrs} centred on k={k} ({G.lr_of_k(k):.3g}), the ladder point of the base "
+                         f"config's {G.flag(G.RECIPES[opt].lr_field)} {lr:g} (--k-center {opt}=K moves it)")
     spec = G.SweepSpec(
-        base=base, widths=G.parse_widths(a.widths), optimizers=optimizers, lrs=G.parse_lrs(a.lrs),
-        seeds=G.parse_seeds(a.seeds), steps=steps, k_centers=G.parse_k_centers(a.k_center),
-        k_ranges=G.parse_k_ranges(a.k_range), k_step=a.k_step, warmups=G.parse_warmups(a.warmups),
+        base=base, widths=widths, optimizers=optimizers, lrs=lrs,
+        seeds=G.parse_seeds(a.seeds), steps=steps, k_centers=k_centers,
+        k_ranges=k_ranges, k_step=a.k_step, warmups=G.parse_warmups(a.warmups),
         weight_decays=G.parse_weight_decays(a.weight_decays), log_interval=a.log_interval, extra=extra,
-        base_explicit=explicit,
+        base_explicit=explicit, notes=notes,
     )
     data = runner.resolve_cell(spec, spec.cells()[0], validate=False).data
     if not data.mock_data and not data.data_path:
@@ -154,11 +191,32 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
         spec.extra = ["--mock-data", *spec.extra]
         spec.notes.append("no --data-path in the base config or after '--': the cells train on --mock-data "
                           "(random tokens: the losses say little about the optimal LR)")
-    unused = set(spec.k_centers) | set(spec.k_ranges)
-    unused -= set(optimizers)
-    if unused:
-        raise G.GridError(f"--k-center/--k-range for {', '.join(sorted(unused))}, which is not in --optimizers")
     return spec
+
+
+def build_specs(a, extra: list[str]) -> list[G.SweepSpec]:
+    """One spec per base config: ``--config A,B,...`` (a model ladder, each config at its own width) gives
+    several, anything else one."""
+    configs = [c.strip() for c in (a.config or "").split(",") if c.strip()]
+    if len(configs) <= 1:
+        return [build_spec(a, extra)]
+    if a.widths is not None:
+        raise G.GridError("--widths with several --config files: each config trains at its own width; drop "
+                          "--widths (or sweep one config over widths)")
+    if a.coord_check:
+        raise G.GridError("--coord-check takes one --config (it varies --widths of one model)")
+    specs, seen = [], {}
+    for config in configs:
+        one = argparse.Namespace(**vars(a))
+        one.config = config
+        spec = build_spec(one, extra)
+        width = spec.widths[0]
+        if width in seen:
+            raise G.GridError(f"--config {seen[width]} and {config} have the same width {width}: their cells "
+                              "would share names; sweep them separately")
+        seen[width] = config
+        specs.append(spec)
+    return specs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,30 +232,35 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, flush=True)
 
     try:
-        spec = build_spec(a, extra)
-        for note in spec.notes:
+        specs = build_specs(a, extra)
+        notes = list(dict.fromkeys(n for spec in specs for n in spec.notes))
+        for note in notes:
             print(f"[lr-sweep] note: {note}", file=sys.stderr, flush=True)
         if a.coord_check:
             from megatron_md.training.arguments import quiet_megatron
             from megatron_md.sweep.coord_check import run_coord_check
 
             quiet_megatron()
-            run_coord_check(spec, out, spec.steps, log)
+            run_coord_check(specs[0], out, specs[0].steps, log)
             return 0
         from megatron_md.sweep import runner
 
         if a.dry_run:
-            runner.dry_run(spec, out, log)
+            for spec in specs:
+                runner.dry_run(spec, out, log)
             return 0
         if a.slurm_grid:
-            runner.write_slurm_grid(spec, Path(a.slurm_grid), log)
+            runner.write_slurm_grid(specs, Path(a.slurm_grid), log, gpus_per_cell=a.gpus_per_cell)
             return 0
         if a.collect:
             if not Path(a.collect).is_dir():
                 raise G.GridError(f"--collect {a.collect}: no such directory (slurm/lr_sweep.sbatch's OUT)")
-            counts = runner.collect_slurm(spec, Path(a.collect), out, log)
-            return _write_results(a, out, log) if counts["collected"] else 1
-        return _sweep(spec, a, out, log)
+            collected = sum(runner.collect_slurm(spec, Path(a.collect), out, log)["collected"] for spec in specs)
+            return _write_results(a, out, log) if collected else 1
+        rc = 0
+        for spec in specs:
+            rc = _sweep(spec, a, out, log) or rc
+        return rc
     except (G.GridError, ValueError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -45,10 +45,13 @@ class Recipe:
     fixed: dict = field(default_factory=dict)  # other LRs, applied when the base config leaves them unset
 
 
-# k centres: adamw, muon, muon_md are optima measured at CPU scale (tiny-dense family, d 64-256):
-# adamw 3e-3..1e-2 -> k 5 (5.66e-3), muon ~0.02 -> k 9 (2.26e-2), muon_md 0.05-0.1 -> k 12 (6.4e-2).
-# adam_md (k 2, 2e-3) and manifold_muon (k 9, paper B's 0.02) are the papers' values, not measured here;
-# lion_md takes muon_md's centre (its update is scaled to the same relative step), soap_md adam_md's (no scale).
+# Fallback k centres, used when the base config does not set the swept LR for that optimizer (a --model
+# preset, or a YAML for another optimizer; see config_centers): adamw, muon, muon_md are optima measured at
+# CPU scale (tiny-dense family, d 64-256): adamw 3e-3..1e-2 -> k 5 (5.66e-3), muon ~0.02 -> k 9 (2.26e-2),
+# muon_md 0.05-0.1 -> k 12 (6.4e-2). adam_md (k 2, 2e-3) and manifold_muon (k 9, paper B's 0.02) are the
+# papers' values, not measured here; lion_md takes muon_md's centre (its update is scaled to the same
+# relative step), soap_md adam_md's (no scale). A GPU recipe carries its own LR (the md_paper recipes:
+# --matrix-lr 1.13e-2, k 7), which is where a sweep of it should look.
 # Warmup / weight decay as the papers: AdamW and Muon warm up and decay weights, MD needs neither.
 RECIPES: dict[str, Recipe] = {
     "adamw": Recipe("adam", "lr", 5, 0.1, 0.1),
@@ -187,6 +190,25 @@ def parse_weight_decays(text: Optional[str]) -> Optional[list[float]]:
     return wds
 
 
+def config_centers(optimizers: list[str], cfg, explicit: set) -> dict[str, tuple[int, float]]:
+    """Ladder centres from the base config's own LRs: optimizer -> (k, the config's LR).
+
+    An optimizer gets one when the config trains with it (``optimizer:`` resolves to the recipe's
+    ``--optimizer``) and sets its swept LR itself (``matrix_lr`` for the MD and manifold optimizers, ``lr``
+    for adamw and muon): the centre is that LR's nearest ladder point. A config for another optimizer says
+    nothing about this one's LR (an MD recipe's ``lr`` is its LM-head LR, not an AdamW LR), so that
+    optimizer keeps its fallback ``Recipe.k_center``.
+    """
+    out = {}
+    for opt in optimizers:
+        r = RECIPES[opt]
+        value = getattr(cfg.optimizer, r.lr_field, None)
+        if cfg.optimizer.optimizer != r.optimizer or r.lr_field not in explicit or not value or value <= 0:
+            continue
+        out[opt] = (int(round(k_of_lr(value))), float(value))
+    return out
+
+
 def lr_grid(optimizer: str, lrs, centers: dict, ranges: dict, k_step: int = 1) -> list[float]:
     """The LRs of one optimizer: --k-range wins, then explicit --lrs, then N points on the ladder; ladder points
     ``k_step`` apart (2: factors of 2 in LR)."""
@@ -242,7 +264,7 @@ class SweepSpec:
     lrs: object  # int N or list of LRs
     seeds: list[int]
     steps: int
-    k_centers: dict = field(default_factory=dict)
+    k_centers: dict = field(default_factory=dict)  # --k-center, then the base config's LRs (config_centers)
     k_ranges: dict = field(default_factory=dict)
     k_step: int = 1
     warmups: Optional[list] = None

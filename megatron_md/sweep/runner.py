@@ -54,16 +54,18 @@ def cell_dir(out: Path, cell: Cell) -> Path:
 # ----------------------------------------------------------------------------- configs
 
 
-def resolve_cell(spec: SweepSpec, cell: Cell, validate: bool = True):
-    """The cell's resolved RunConfig, checked like `megatron-md train` checks it (no training)."""
+def resolve_cell(spec: SweepSpec, cell: Cell, validate: bool = True, more: tuple = ()):
+    """The cell's resolved RunConfig, checked like `megatron-md train` checks it (no training); ``more``: flags
+    the launcher adds (slurm/lr_sweep.sbatch's --save/--load)."""
     from megatron_md.training.arguments import train_parser
     from megatron_md.training import config as C
     from megatron_md.training.validate import validate_config
 
+    flags = [*spec.train_args(cell), *more]
     try:
-        args = vars(train_parser().parse_args(spec.train_args(cell)))
+        args = vars(train_parser().parse_args(flags))
     except SystemExit:
-        raise GridError(f"cell {cell.name}: `megatron-md train` rejects its flags: {shlex.join(spec.train_args(cell))}")
+        raise GridError(f"cell {cell.name}: `megatron-md train` rejects its flags: {shlex.join(flags)}")
     yaml_path = args.pop("config", None)
     try:
         cfg = C.resolve(None, yaml_path, args)
@@ -471,40 +473,60 @@ def collect_slurm(spec: SweepSpec, src: Path, out: Path, log: Callable[[str], No
     return counts
 
 
-def write_slurm_grid(spec: SweepSpec, path: Path, log: Callable[[str], None] = print) -> Path:
-    """The grid as slurm/lr_sweep.sbatch's TSV (name width lr optimizer seed extra_args).
+def write_slurm_grid(specs, path: Path, log: Callable[[str], None] = print,
+                     gpus_per_cell: Optional[int] = None) -> Path:
+    """The grid as slurm/lr_sweep.sbatch's TSV (name width lr optimizer seed config extra_args).
 
-    The script sets --hidden-size, --lr, --optimizer and --seed from the columns; the rest of each
-    cell's flags (swept --matrix-lr, warmup, weight decay, steps, extra train flags) go in extra_args.
+    The script sets --config, --hidden-size, --lr, --optimizer and --seed from the columns; the rest of each
+    cell's flags (swept --matrix-lr, warmup, weight decay, steps, extra train flags) go in extra_args. One
+    spec per base config (``--config A,B,...``: a model ladder); a ``--model`` base gets a one-line YAML
+    naming the preset next to the grid. Prints the sbatch command (OUT pinned, so --collect knows it) and the
+    --collect command.
     """
+    if isinstance(specs, SweepSpec):
+        specs = [specs]
     path = Path(path)
-    cells = spec.cells()
-    rows = ["name\twidth\tlr\toptimizer\tseed\textra_args"]
-    for cell in cells:
-        cfg = resolve_cell(spec, cell)
-        flags = spec.optimizer_flags(cell)
-        extra = []
-        i = 0
-        while i < len(flags):  # --optimizer and --lr are columns
-            if flags[i] not in ("--optimizer", "--lr"):
-                extra += flags[i:i + 2]
-            i += 2
-        extra += ["--train-iters", str(cell.steps), "--log-interval", str(spec.log_every()), *spec.extra]
-        for a in extra:
-            if not a or any(ch.isspace() for ch in a):
-                raise GridError(f"--slurm-grid: the train flag {a!r} is empty or has whitespace; the grid's "
-                                "extra_args are split on whitespace: put it in the --config YAML instead")
-        rows.append("\t".join([cell.name, str(cell.width), repr(cfg.optimizer.lr), cell.recipe.optimizer,
-                               str(cell.seed), " ".join(extra)]))
+    stem = path.name.rsplit(".", 1)[0]
+    slurm_out = Path("runs") / "sweeps" / stem
+    rows = ["name\twidth\tlr\toptimizer\tseed\tconfig\textra_args"]
+    written = []
+    n = 0
+    for spec in specs:
+        if spec.base[0] == "--config":
+            config = spec.base[1]
+        else:  # the script needs a CONFIG file: one that names the preset
+            config = str(path.with_suffix(".yaml"))
+            written.append(config)
+        for cell in spec.cells():
+            cfg = resolve_cell(spec, cell, more=("--save", str(slurm_out / cell.name), "--load", str(slurm_out / cell.name)))
+            flags = spec.optimizer_flags(cell)
+            extra = []
+            i = 0
+            while i < len(flags):  # --optimizer and --lr are columns
+                if flags[i] not in ("--optimizer", "--lr"):
+                    extra += flags[i:i + 2]
+                i += 2
+            extra += ["--train-iters", str(cell.steps), "--log-interval", str(spec.log_every()), *spec.extra]
+            for a in [config, *extra]:
+                if not a or any(ch.isspace() for ch in a):
+                    raise GridError(f"--slurm-grid: {a!r} is empty or has whitespace; the grid's cells are split on "
+                                    "tabs and extra_args on whitespace: put it in the --config YAML instead")
+            rows.append("\t".join([cell.name, str(cell.width), repr(cfg.optimizer.lr), cell.recipe.optimizer,
+                                   str(cell.seed), config, " ".join(extra)]))
+            n += 1
     path.parent.mkdir(parents=True, exist_ok=True)
+    for config in dict.fromkeys(written):
+        Path(config).write_text(f"preset: {specs[0].base[1]}\n")
     path.write_text("\n".join(rows) + "\n")
-    if spec.base[0] == "--config":
-        config = spec.base[1]
-    else:  # the script needs a CONFIG file: one that names the preset
-        config = str(path.with_suffix(".yaml"))
-        Path(config).write_text(f"preset: {spec.base[1]}\n")
-    log(f"wrote {path} ({len(cells)} cells)" + (f" and {config}" if spec.base[0] != "--config" else ""))
-    log("submit with:")
-    log(f"  mkdir -p logs && GRID={shlex.quote(str(path))} CONFIG={shlex.quote(config)} "
-        f"sbatch --array=0-{len(cells) - 1} slurm/lr_sweep.sbatch")
+    log(f"wrote {path} ({n} cells)" + (f" and {written[0]}" if written else ""))
+    gpus = gpus_per_cell or 1
+    sbatch = ["sbatch", f"--array=0-{n - 1}"]
+    if gpus > 1:
+        sbatch += [f"--gpus-per-node={gpus}", f"--cpus-per-task={8 * gpus}"]
+    env = [f"GRID={shlex.quote(str(path))}", f"OUT={shlex.quote(str(slurm_out))}"]
+    if gpus > 1:
+        env.append(f"GPUS_PER_CELL={gpus}")
+    log("submit with (from this directory; add --array=...%K to run at most K cells at once):")
+    log(f"  mkdir -p logs && {' '.join(env)} {' '.join(sbatch)} slurm/lr_sweep.sbatch")
+    log("collect with: the same lr-sweep flags, --collect " + shlex.quote(str(slurm_out)) + " in place of --slurm-grid")
     return path

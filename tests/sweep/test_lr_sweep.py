@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -62,6 +63,70 @@ def test_sqrt2_ladder_and_centring():
     assert G.parse_k_centers(["muon_md=10,adam=3"]) == {"muon_md": 10, "adamw": 3}
     assert G.parse_k_ranges(["muon=-2:4"]) == {"muon": (-2, 4)}
     assert G.parse_warmups("0,10%") == [("iters", 0), ("frac", 0.1)]
+
+
+def test_centres_follow_the_base_configs_own_lr_unless_k_center_says_otherwise(tmp_path, capsys):
+    """A GPU recipe is swept around its own LR: examples/md_paper's --matrix-lr 1.13e-2 is k=7, so --lrs 5 is
+    k 5..9, not the CPU-measured muon_md centre k=12 (which would leave 1.13e-2 outside the grid)."""
+    from megatron_md.training import config as C
+
+    recipe = str(REPO / "examples" / "md_paper" / "dense-181m_muon_md.yaml")
+    cfg, explicit = C.resolve(None, recipe, {}), runner.base_explicit(["--config", recipe])
+    # muon_md: the recipe's matrix LR; adamw and manifold_muon: the config trains muon_md, so its --lr (the LM
+    # head's) and --matrix-lr say nothing about them: their fallback centres stay
+    assert G.config_centers(["muon_md", "adamw", "manifold_muon"], cfg, explicit) == {"muon_md": (7, 1.13e-2)}
+    assert G.config_centers(["muon_md"], cfg, set()) == {}  # a preset default is not the config's own choice
+    adam = tmp_path / "adam.yaml"
+    adam.write_text("preset: tiny-dense\noptimizer:\n  optimizer: adam\n  lr: 3.0e-3\n")
+    got = G.config_centers(["adamw", "muon"], C.resolve(None, str(adam), {}), runner.base_explicit(["--config", str(adam)]))
+    assert got == {"adamw": (3, 3e-3)}  # 3e-3 -> k = 2 log2(3) = 3.17 -> 3
+
+    notes = []
+
+    def ks(*argv):
+        assert command.main(["--out", str(tmp_path / "o"), "--dry-run", *argv, "--", "--mock-data"]) == 0
+        cap = capsys.readouterr()
+        notes.append(cap.err)
+        return sorted({G.k_label(float(shlex.split(line)[shlex.split(line).index("--matrix-lr") + 1]))
+                       for line in cap.out.splitlines()})
+
+    md = tmp_path / "md.yaml"  # the recipe's optimizer section on a CPU-sized model
+    md.write_text("preset: tiny-dense\noptimizer:\n  optimizer: muon_md\n  matrix_lr: 1.13e-2\n")
+    assert ks("--config", str(md), "--widths", "32", "--optimizers", "muon_md", "--lrs", "5") == [5, 6, 7, 8, 9]
+    assert "muon_md: --lrs 5 centred on k=7" in notes[-1]
+    assert ks("--config", str(md), "--widths", "32", "--optimizers", "muon_md", "--lrs", "3",
+              "--k-center", "muon_md=12") == [11, 12, 13]
+    assert ks("--config", str(md), "--widths", "32", "--optimizers", "muon_md", "--k-range", "muon_md=2:4") == [2, 3, 4]
+    assert ks("--model", "tiny-dense", "--widths", "32", "--optimizers", "muon_md", "--lrs", "3") == [11, 12, 13]
+    assert "centred on" not in notes[-1]
+    # a config's own width is the default --widths; the md_paper recipe itself, as a SLURM grid
+    grid = tmp_path / "g.tsv"
+    assert command.main(["--config", recipe, "--optimizers", "muon_md", "--slurm-grid", str(grid), "--gpus-per-cell", "8",
+                         "--", "--mock-data"]) == 0
+    assert "GPUS_PER_CELL=8 sbatch --array=0-4 --gpus-per-node=8" in capsys.readouterr().out
+    rows = [r.split("\t") for r in grid.read_text().splitlines()[1:]]
+    assert [(r[0], r[1], r[5]) for r in rows] == [(f"muon_md-w512-k{k}-s1-wu0-wd0", "512", recipe) for k in range(5, 10)]
+
+
+def test_records_pin_the_lrs_they_ran():
+    """Every lr-sweep call of the records' reproduce.sh scripts names its LRs (--k-range, or explicit --lrs), so
+    neither the fallback centres nor the centres taken from a config's own LR (the manifold_paper configs set
+    --matrix-lr 0.05: k=11) change the grids those records ran."""
+    scripts = sorted((REPO / "records").glob("*/reproduce.sh"))
+    assert scripts
+    for script in scripts:
+        text = script.read_text()
+        # every call of the sweep (directly, or through the script's sweep/variant/run_width helpers)
+        calls = re.findall(r"^\s*(?:sweep|variant|run_width|\.venv/bin/megatron-md lr-sweep)\s.*$", text, re.M)
+        assert calls, script
+        for call in calls:
+            if call.lstrip().startswith("run_width"):
+                assert '--k-range "muon_md=$3"' in text and '--k-range "adamw=$4"' in text  # its ranges are $3..$5
+                continue
+            if call.lstrip().startswith(".venv/bin/megatron-md"):
+                call = text[text.index(call):].split("\n  done")[0]  # the (continued) command
+            pinned = "--k-range" in call or "${MD[@]}" in call or re.search(r"--lrs\s+\"?[\d$]", call)
+            assert pinned, (script, call)
 
 
 def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
