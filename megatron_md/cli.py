@@ -150,39 +150,76 @@ def cmd_params(argv: list[str]) -> int:
     return 0
 
 
+def _plan_device_argv(argv: list[str]) -> list[str]:
+    """``plan --device H100-80GB``: a device name (anything but train's auto/cuda/cpu) is the target device."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--device" and i + 1 < len(argv) and argv[i + 1].lower() not in ("auto", "cuda", "cpu"):
+            out += ["--target-device", argv[i + 1]]
+            i += 2
+            continue
+        if a.startswith("--device=") and a.split("=", 1)[1].lower() not in ("auto", "cuda", "cpu"):
+            a = "--target-device=" + a.split("=", 1)[1]
+        out.append(a)
+        i += 1
+    return out
+
+
 def cmd_plan(argv: list[str]) -> int:
     """Per-device memory, FLOPs and communication of a run, from its config (``train``'s flags)."""
     quiet_megatron()
+    from megatron_md.training.plan_report import (DEFAULT_HEADROOM, DEVICES, format_plan, make_plan,
+                                                  parse_headroom, resolve_target)
+
     p = train_parser()
     p.prog, p.description = "megatron-md plan", (
         "Plan a run without launching it: per-device bytes of parameters, gradients, master weights, "
-        "optimizer state and activations (per recomputation mode), FLOPs and communication per step, "
-        "and whether it fits --device-memory. Takes train's flags (--model, layout, optimizer).")
+        "optimizer state and activations (per recomputation mode, for the attention kernel the run will use), "
+        "FLOPs and communication per step, and whether it fits the target device with --headroom to spare. "
+        "Takes train's flags (--model, layout, optimizer) or --config; a recipe's target section gives the "
+        "device and the world size.")
     g = p.add_argument_group("plan")
-    g.add_argument("--world-size", "--num-gpus", dest="world_size", type=int,
-                   help="Devices in the job (default: --nodes x --gpus-per-node, else --nproc-per-node).")
+    g.add_argument("--world-size", "--num-gpus", dest="target_world_size", type=int, default=argparse.SUPPRESS,
+                   metavar="N",
+                   help="Devices in the job (default: --nodes x --gpus-per-node, else the config's "
+                        "target_world_size, else --nproc-per-node).")
     g.add_argument("--nodes", type=int, default=1, help="Nodes (with --gpus-per-node).")
     g.add_argument("--gpus-per-node", type=int, help="Devices per node.")
-    g.add_argument("--device-memory", help="Memory of one device, e.g. 80GB (10^9 bytes) or 80GiB.")
-    g.add_argument("--attention", default="auto", choices=["auto", "flash", "unfused"],
-                   help="Attention kernel: flash keeps no s x s tensor; auto: unfused for --device cpu or "
-                        "--transformer-impl local, else flash.")
+    g.add_argument("--device-memory", dest="target_device_memory", default=argparse.SUPPRESS, metavar="SIZE",
+                   help="Memory of one device, with a unit: 79GiB, 81082MiB (MiB as nvidia-smi and torch print "
+                        "them) or 80GB (10^9 bytes); a bare number is refused. Beats the memory of --device NAME.")
+    g.add_argument("--headroom", default=f"{DEFAULT_HEADROOM:.0%}",
+                   help="Share of device memory a fitting plan leaves spare for what it does not count (CUDA "
+                        "context, NCCL buffers, fragmentation, the optimizer step's temporaries): 5%% or 0.05 "
+                        f"[default: {DEFAULT_HEADROOM:.0%}%].")
+    g.add_argument("--list-devices", action="store_true",
+                   help="List the device names --device takes (besides auto/cuda/cpu) and their memory.")
     g.add_argument("--json", action="store_true", help="Print the plan as JSON.")
-    args = vars(p.parse_args(argv))
-    plan_args = {k: args.pop(k, None) for k in ("world_size", "nodes", "gpus_per_node", "device_memory",
-                                                "attention", "json")}
+    p.epilog = ("--device NAME (e.g. H100-80GB, H200, A100-40GB; case-insensitive) is the target device, the "
+                "same as --target-device; --device auto/cuda/cpu keeps train's meaning.")
+    args = vars(p.parse_args(_plan_device_argv(argv)))
+    plan_args = {k: args.pop(k, None) for k in ("nodes", "gpus_per_node", "headroom", "list_devices", "json")}
+    if plan_args["list_devices"]:
+        for d in DEVICES:
+            also = f"  (also {', '.join(d.aliases)})" if d.aliases else ""
+            print(f"{d.name:16s} {d.mib:>8,} MiB  {'CUDA' if d.source == 'cuda' else 'nvidia-smi'}: {d.note}{also}")
+        print(f"{'cpu':16s} {'':>12s}  host memory per rank: give it with --device-memory")
+        return 0
     yaml_path = args.pop("config", None)
-    from megatron_md.training.plan_report import format_plan, make_plan, parse_bytes
+    if plan_args["gpus_per_node"] and "target_world_size" not in args:
+        args["target_world_size"] = plan_args["nodes"] * plan_args["gpus_per_node"]
+    memory_from_cli, device_from_cli = "target_device_memory" in args, "target_device" in args
 
     try:
         cfg = C.resolve(None, yaml_path, args)
-        world = plan_args["world_size"]
-        if world is None and plan_args["gpus_per_node"]:
-            world = plan_args["nodes"] * plan_args["gpus_per_node"]
-        world = world or cfg.training.nproc_per_node
+        world = cfg.target.target_world_size or cfg.training.nproc_per_node
         if world < 1:
             raise ValueError(f"--world-size {world}: must be at least 1")
-        mem = parse_bytes(plan_args["device_memory"]) if plan_args["device_memory"] is not None else None
+        target = resolve_target(cfg.target.target_device, cfg.target.target_device_memory,
+                                "--device-memory" if memory_from_cli else "target_device_memory (--config)",
+                                "--device" if device_from_cli else "target_device (--config)")
+        headroom = parse_headroom(plan_args["headroom"])
         from megatron_md.training.plan import layout_of
         from megatron_md.training.validate import validate_config
 
@@ -190,7 +227,7 @@ def cmd_plan(argv: list[str]) -> int:
         # A plan reads no data and writes nothing: validate model, layout and optimizer only.
         checked = dataclasses.replace(cfg, data=C.DataConfig(mock_data=True), checkpoint=C.CheckpointConfig())
         validate_config(checked, world)
-        plan = make_plan(cfg, world, mem, plan_args["attention"])
+        plan = make_plan(cfg, world, target, headroom)
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-md plan: error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
-"""README block ``plan``: ``megatron-md plan --json`` of the paper configs on 8 x 80 GB, stored and rendered.
+"""docs/planning.md block ``plan``: ``megatron-md plan --json`` of the MD paper recipes on the target they
+state (one node of 8 x H100-80GB), stored and rendered.
 
-    python tools/plan_tables.py --generate   # run the plans, write benchmarks/results/plan_8x80gb.json
-    python tools/render_readme_tables.py     # splice the table into README.md (imports plan_markdown)
+    python tools/plan_tables.py --generate                # run the plans, write benchmarks/results/plan_8xh100.json
+    python tools/render_readme_tables.py --block plan     # splice the table into docs/planning.md (render_plan)
 
 Rendering is standard library only (render_readme_tables.py imports no torch); ``--generate`` runs the CLI.
 """
@@ -15,20 +16,24 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RESULT = Path("benchmarks") / "results" / "plan_8x80gb.json"
+RESULT = Path("benchmarks") / "results" / "plan_8xh100.json"
 
-# name -> the plan's arguments: the paper configs as they stand, on one node of 8 x 80 GB.
+# name -> the plan's arguments: the paper recipes as they stand, on the target their `target:` section states
+# (8 x H100-80GB, Transformer Engine's flash attention), and dense-1.29b without Transformer Engine (megatron-core's
+# unfused attention), where only full recomputation fits.
+_DENSE = ["--config", "examples/md_paper/dense-1.29b_muon_md.yaml"]
 PLANS = {
-    "dense-1.29b": ["--config", "examples/md_paper/dense-1.29b_muon_md.yaml"],
-    "dense-1.29b, full recompute": ["--config", "examples/md_paper/dense-1.29b_muon_md.yaml",
-                                    "--recompute-granularity", "full"],
+    "dense-1.29b": _DENSE,
+    "dense-1.29b, full recompute": [*_DENSE, "--recompute-granularity", "full"],
+    "dense-1.29b, no TE": [*_DENSE, "--transformer-impl", "local"],
+    "dense-1.29b, no TE, full recompute": [*_DENSE, "--transformer-impl", "local", "--recompute-granularity", "full"],
     "moe-6.7b": ["--config", "examples/md_paper/moe-6.7b_muon_md.yaml"],
 }
-COMMON = ["--num-gpus", "8", "--device-memory", "80GB"]
+COMMON: list[str] = []  # the device and world size come from each recipe's target section
 
 
 def generate(repo: Path) -> dict:
-    out = {"command": "megatron-md plan " + " ".join(COMMON) + " --json", "plans": {}}
+    out = {"command": " ".join(["megatron-md plan", *COMMON, "--json"]), "plans": {}}
     for name, args in PLANS.items():
         proc = subprocess.run([sys.executable, "-m", "megatron_md.cli", "plan", *args, *COMMON, "--json"],
                               cwd=repo, capture_output=True, text=True, check=True)
@@ -57,6 +62,7 @@ def plan_markdown(result: dict) -> str:
 
     dev = lambda k: (lambda p: _gib(p["per_device"][k]))  # noqa: E731
     row("layout", lay)
+    row("attention kernel", lambda p: p["attention"]["kernel"])
     row("parameters (bf16)", dev("params"))
     row("gradients (fp32 buffers)", dev("grads"))
     row("fp32 master weights", dev("master_weights"))
@@ -68,12 +74,22 @@ def plan_markdown(result: dict) -> str:
         lambda p: f"{_gib(p['per_device']['activations'][p['per_device']['recompute']])} "
                   f"({p['per_device']['recompute']})")
     row("**total**", lambda p: f"**{_gib(p['per_device']['total'][p['per_device']['recompute']])}**")
-    row("fits 80 GB", lambda p: "yes" if p["fits"][p["per_device"]["recompute"]] else "**no**")
+    dev0 = rows[names[0]]["plan"]
+
+    def spare(p: dict) -> str:
+        mode = p["per_device"]["recompute"]
+        if p["spare"][mode] < 0:
+            return f"{_gib(-p['spare'][mode])} over"
+        return f"{_gib(p['spare'][mode])} ({p['spare_fraction'][mode]:.1%})"
+
+    row(f"spare of {dev0['device']['name']}'s {_gib(dev0['device_memory'])} GiB", spare)
+    row(f"fits, {dev0['headroom']:.0%} spare", lambda p: "yes" if p["fits"][p["per_device"]["recompute"]] else "**no**")
     row("model TFLOP per step", lambda p: f"{p['flops_per_step']['model'] / 1e12:,.0f}")
     row("Newton–Schulz TFLOP per step", lambda p: f"{p['flops_per_step']['optimizer_newton_schulz'] / 1e12:,.1f}")
     row("sent per device per step (GiB)", lambda p: _gib(p["communication_per_device"]["total"]))
     cmds = "; ".join(f"`{n}`: `{' '.join(rows[n]['args'])}`" for n in names)
-    return "\n".join(lines + ["", f"From `{result['command']}` with {cmds} "
+    target = f"{dev0['layout']['world']} x {dev0['device']['name']}"
+    return "\n".join(lines + ["", f"From `{result['command']}` on each recipe's stated target ({target}) with {cmds} "
                               f"(`{RESULT.as_posix()}`, written by `python tools/plan_tables.py --generate`)."])
 
 

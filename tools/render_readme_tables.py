@@ -12,7 +12,7 @@ Each generated block sits between two marker lines, in whichever of README.md an
 ``ns_engine``: ``benchmarks/results/ns_engine_cpu.json`` from ``benchmarks/ns_engine.py`` (tables in
 ``tools/ns_engine_tables.py``). ``gpu_bench``: ``benchmarks/results/gpu_bench_h200.json`` from
 ``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``plan``:
-``benchmarks/results/plan_8x80gb.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``).
+``benchmarks/results/plan_8xh100.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``).
 ``records_*``: the judged ``records/<date>-<kind>/`` of each kind, summarised and judged by
 ``megatron_md.sweep.records`` from their CSVs and cells' metrics.jsonl. Links in a block are written from the
 repository root and made relative to the page it lands in (``../records/...`` in docs/).

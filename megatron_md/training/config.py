@@ -331,6 +331,21 @@ class LoggingConfig:
     )
 
 
+@dataclass
+class TargetConfig:
+    """The hardware a run is sized for. ``megatron-md plan`` reads it (a recipe's fit is tested against it);
+    the trainer only records it with the config and never acts on it."""
+
+    target_device: Optional[str] = opt(
+        None, "The device this run is sized for, read by `megatron-md plan` only (the trainer ignores it): a name "
+        "such as H100-80GB, H200, A100-40GB (case-insensitive; `megatron-md plan --list-devices`) or cpu.")
+    target_device_memory: Optional[str] = opt(
+        None, "Memory of one target device, with a unit (79GiB, 81082MiB, 80GB); default: the named device's "
+        "total as CUDA reports it. Needed for cpu (host memory per rank).")
+    target_world_size: Optional[int] = opt(
+        None, "Devices the run is sized for (GPUs, or CPU ranks): `megatron-md plan`'s default --world-size.")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
@@ -339,6 +354,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "target": TargetConfig,
 }
 
 
@@ -351,6 +367,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
     preset: Optional[str] = None
 
     def to_dict(self) -> dict:

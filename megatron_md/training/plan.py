@@ -10,9 +10,11 @@ Closed forms of what the trainer allocates (checked against a real allocation in
 - master weights and optimizer state sharded over DP by ``--use-distributed-optimizer`` (byte-sharded for
   adam, whole matrices for the layer-wise optimizer: ≈ 1/DP either way);
 - activations per micro-batch by Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models"), term by term for this model (GQA, SwiGLU, QK-norm, MoE experts, unfused or flash
-  attention), with sequence parallelism dividing the norm regions by TP, and 1F1B keeping PP micro-batches
-  in flight on the first stage.
+  Transformer Models"), term by term for this model (GQA, SwiGLU, QK-norm, MoE experts), for the attention
+  kernel the run will use (``attention_for``: TE's flash attention keeps no s x s tensor; megatron-core's
+  local, unfused attention keeps per layer the fp32 softmax, its bf16 copy and the causal mask, each s x s per
+  head, counted tensor by tensor and checked against a measurement), with sequence parallelism dividing the
+  norm regions by TP, and 1F1B keeping PP micro-batches in flight on the first stage.
 
 FLOPs, communication and the report live in ``plan_report.py``.
 """
@@ -245,28 +247,103 @@ def static_memory(cfg, lay: Layout, stage: int) -> dict:
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
+# The attention kernels the plan can count. Only the first keeps no s x s tensor for backward.
+ATTENTION_KERNELS = {
+    "flash": "Transformer Engine's fused attention (flash-attn or cuDNN): no s x s tensor is kept",
+    "unfused": "megatron-core's local DotProductAttention with torch's softmax: per layer it keeps the fp32 "
+               "probabilities, their act-dtype copy (bf16 runs) and a bool causal mask, all s x s",
+    "unfused-fused-softmax": "megatron-core's local DotProductAttention with Megatron's fused causal softmax "
+                             "kernel: per layer it keeps the probabilities in the act dtype only (s x s)",
+    "te-unfused": "Transformer Engine's unfused attention (--attention-backend unfused): counted as "
+                  "megatron-core's unfused attention with torch's softmax, an upper bound (not measured)",
+}
 
-def attention_kind(cfg, attention: str = "auto") -> str:
-    """flash: fused attention (TE / cuDNN / flash-attn) keeps no s x s tensor; unfused: megatron's local
-    DotProductAttention stores the softmax. auto: unfused for the CPU or the local spec, else flash."""
-    if attention != "auto":
-        return attention
-    local = cfg.model.transformer_impl == "local" or cfg.training.device == "cpu"
-    return "unfused" if local else "flash"
+
+@dataclass(frozen=True)
+class Attention:
+    """Which layer spec builds the layers (``te`` or ``local``) and which attention kernel the run uses."""
+
+    spec: str
+    kernel: str
+    why: str
+    cpu: bool = False
+
+    @property
+    def scores(self) -> bool:  # whether the kernel keeps s x s tensors for backward
+        return self.kernel != "flash"
+
+    @property
+    def torch_softmax(self) -> bool:
+        return self.kernel in ("unfused", "te-unfused")
 
 
-def layer_activation_bytes(cfg, lay: Layout, attention: str, selective: bool = False) -> dict:
+def _fused_softmax_runs(cfg, micro_batch: int, tp: int) -> bool:
+    """megatron-core's FusedScaleMaskSoftmax.is_kernel_available for causal self-attention, with the
+    kernel's batch_per_block (scaled_masked_softmax.h: 128 threads, warps of min(2^ceil(log2 sk), 32)
+    lanes, two rows a warp up to sk = 128)."""
+    m = cfg.model
+    s, heads = m.seq_length, m.num_attention_heads // tp
+    pow2 = 1 << max(0, math.ceil(math.log2(s)))
+    batch_per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
+    batches = micro_batch * heads
+    return (bool(cfg.training.bf16) and 16 < s <= 4096 and s % 4 == 0 and batches % 4 == 0
+            and batches % batch_per_block == 0)
+
+
+def attention_for(cfg, on_cpu: bool, micro_batch: int = 1, tp: int = 1) -> Attention:
+    """The layer spec and attention kernel the trainer will build (``models/builder.py``), decided from the
+    config alone: the planner runs on a login node, so it never looks at what imports here.
+
+    --transformer-impl local, or a CPU run: megatron-core's local spec, whose attention is always
+    DotProductAttention (unfused). transformer_engine, or auto on a GPU: Transformer Engine's spec (auto
+    assumes TE imports on the GPU machines, as in NGC containers; a run without TE gets the local spec, so
+    plan it with --transformer-impl local). Under TE, --attention-backend auto, flash and fused keep no s x s
+    tensor; unfused does.
+    """
+    m = cfg.model
+    impl, backend = m.transformer_impl, m.attention_backend
+    if impl == "transformer_engine" and on_cpu:
+        raise ValueError("--transformer-impl transformer_engine needs CUDA; the plan's target is a CPU "
+                         "(--device cpu): use --transformer-impl local or auto")
+    te = impl == "transformer_engine" or (impl == "auto" and not on_cpu)
+    if te:
+        if backend == "local":
+            raise ValueError("--attention-backend local is megatron-core's own attention, which Transformer "
+                             "Engine's layer spec does not build; add --transformer-impl local, or pick auto, "
+                             "flash, fused or unfused")
+        src = "--transformer-impl transformer_engine" if impl != "auto" else (
+            "--transformer-impl auto on a GPU: Transformer Engine assumed (NGC containers ship it; without it "
+            "the run builds the local spec: plan with --transformer-impl local)")
+        if backend == "unfused":
+            return Attention("te", "te-unfused", f"{src}, --attention-backend unfused")
+        return Attention("te", "flash", f"{src}, --attention-backend {backend}")
+    if backend in ("flash", "fused"):
+        raise ValueError(f"--attention-backend {backend} is a Transformer Engine kernel and needs CUDA with TE "
+                         "layers; use --attention-backend local (megatron-core's own attention) or auto")
+    src = "a CPU run: megatron-core's local spec" if on_cpu else "--transformer-impl local"
+    fusion = m.masked_softmax_fusion
+    if fusion and not on_cpu and _fused_softmax_runs(cfg, micro_batch, tp):
+        return Attention("local", "unfused-fused-softmax", f"{src}, --masked-softmax-fusion")
+    why = src
+    if fusion is None and not on_cpu:
+        why += (" (--masked-softmax-fusion unset: counted with torch's softmax, which keeps three times the "
+                "fused kernel's bytes; the fusion runs only where Megatron's softmax extensions import)")
+    return Attention("local", "unfused", why, on_cpu)
+
+
+def layer_activation_bytes(cfg, lay: Layout, attn: Attention, selective: bool = False) -> dict:
     """Bytes one transformer layer saves for backward per micro-batch (Korthikanti's terms, this model).
 
     ``seq``: the parts outside TP regions (norm inputs/outputs, the inputs of column-parallel linears),
     divided by TP under sequence parallelism only; ``tensor``: inside TP regions, divided by TP.
+    ``scores``: the s x s tensors of unfused attention (part of ``total``).
     """
     m = cfg.model
     s, b, h, d = m.seq_length, lay.micro_batch, m.hidden_size, m.kv_channels
     a, g, t = m.num_attention_heads, m.num_query_groups, lay.tp
     e = 2 if cfg.training.bf16 else FP32  # activation bytes
     # megatron's torch norms (local spec) compute and save in fp32; TE's fused norm-linear in the act dtype.
-    ne = FP32 if attention == "unfused" else e
+    ne = FP32 if attn.spec == "local" else e
     tokens = s * b
     # Norm: its input and normalised output; plus the linear's own copy of its (scaled) input.
     seq = 2 * (2 * h * ne + h * e)
@@ -275,15 +352,26 @@ def layer_activation_bytes(cfg, lay: Layout, attention: str, selective: bool = F
     tensor = d * (a + 2 * g) * e  # QKV output (Q, K, V views)
     if m.qk_layernorm:
         tensor += (2 * a * d + g * d) * ne  # Q copy, normalised Q and K
-    if attention == "flash" or selective:
+    dropout = m.attention_dropout > 0
+    # A dropout mask: CUDA's fused dropout keeps a bool mask; on the CPU torch multiplies by a noise tensor
+    # of the input's dtype and keeps that.
+    drop_mask = e if attn.cpu else 1
+    if not attn.scores or selective:
         tensor += (d * (a + 2 * g) + a * d) * e  # Q, K, V into the kernel (or the recompute checkpoint), output
-        softmax = 0
+        softmax = mask = 0
     else:
         tensor += 3 * a * d * e  # Q, K and V expanded to all heads (GQA) for the batched matmuls
-        # fp32 probabilities (+ their act-dtype copy for the AV matmul under bf16, + a dropout mask) per token
-        softmax = a * s * (FP32 + (e if e != FP32 else 0) + (1 if m.attention_dropout > 0 else 0))
+        # Per score (a s^2 b of them), what megatron-core's DotProductAttention hands to backward: the
+        # softmax's output, and the AV matmul's input in the act dtype (the same tensor where the dtypes
+        # agree); with attention dropout, the matmul's input is dropout's output, and dropout keeps its mask.
+        if attn.torch_softmax:  # torch's softmax, in fp32 (attention_softmax_in_fp32), then cast
+            softmax_out, mask = FP32, s * s  # + the bool causal mask masked_fill keeps, built in every layer
+        else:  # Megatron's fused causal softmax kernel: act-dtype output, masking inside the kernel
+            softmax_out, mask = e, 0
+        matmul_in = e if (dropout or e != softmax_out) else 0
+        softmax = a * s * (softmax_out + matmul_in + (drop_mask if dropout else 0))
     tensor += a * d * e  # out-projection input
-    dropout_mask = 2 * h if m.hidden_dropout > 0 else 0
+    dropout_mask = 2 * h * drop_mask if m.hidden_dropout > 0 else 0
     up = 2 if m.swiglu else 1
     # SwiGLU: gate+up output, silu output and the up half, fc2 input; GELU: fc1 output, fc2 input.
     mlp = (lambda f: up * f + (2 * f if m.swiglu else 0) + f)
@@ -301,18 +389,19 @@ def layer_activation_bytes(cfg, lay: Layout, attention: str, selective: bool = F
     seq_bytes = tokens * seq / (t if lay.sp else 1)
     tensor_bytes = tokens * tensor / t + mlp_bytes
     rope = 4 * s * d * e if m.position_embedding_type == "rope" else 0  # cos/sin tables, b-independent
-    mask = s * s if attention == "unfused" and not selective else 0  # bool causal mask
+    scores = tokens * softmax / t + mask
     return {
-        "total": seq_bytes + tensor_bytes + tokens * softmax / t + tokens * dropout_mask + small + rope + mask,
+        "total": seq_bytes + tensor_bytes + scores + tokens * dropout_mask + small + rope,
+        "scores": scores,
         "input": tokens * h * e / (t if lay.sp else 1),  # what full recomputation keeps
     }
 
 
-def stage_extra_activation_bytes(cfg, lay: Layout, stage: int, attention: str) -> float:
+def stage_extra_activation_bytes(cfg, lay: Layout, stage: int, attn: Attention, on_cpu: bool) -> float:
     """Outside the layers: the final norm, LM-head input and fp32 logits on the last stage."""
     m = cfg.model
     tokens, e = m.seq_length * lay.micro_batch, 2 if cfg.training.bf16 else FP32
-    ne = FP32 if attention == "unfused" else e  # as in the layers' norms
+    ne = FP32 if attn.spec == "local" else e  # as in the layers' norms
     out = tokens * 8  # token ids
     if stage == lay.pp - 1:
         vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, lay.tp)
@@ -321,18 +410,18 @@ def stage_extra_activation_bytes(cfg, lay: Layout, stage: int, attention: str) -
         # logits), or in the logits' dtype with --cross-entropy-loss-fusion (on by default on CUDA).
         fused = m.cross_entropy_loss_fusion
         if fused is None:
-            fused = cfg.training.device != "cpu"
+            fused = not on_cpu
         out += tokens * vocab / lay.tp * (e if fused else FP32)
     return out
 
 
-def activation_memory(cfg, lay: Layout, stage: int, attention: str) -> dict:
+def activation_memory(cfg, lay: Layout, stage: int, attn: Attention, on_cpu: bool) -> dict:
     """Activation bytes on one rank of ``stage`` per recomputation mode, 1F1B micro-batches in flight."""
     in_flight = min(lay.pp - stage, lay.micro_batches)
     L = layers_on_stage(cfg, lay.pp)
-    full_layer = layer_activation_bytes(cfg, lay, attention)
-    sel_layer = layer_activation_bytes(cfg, lay, attention, selective=True)
-    extra = stage_extra_activation_bytes(cfg, lay, stage, attention)
+    full_layer = layer_activation_bytes(cfg, lay, attn)
+    sel_layer = layer_activation_bytes(cfg, lay, attn, selective=True)
+    extra = stage_extra_activation_bytes(cfg, lay, stage, attn, on_cpu)
     m = cfg.model
     method = getattr(m, "recompute_method", None) or "uniform"
     n = max(1, min(getattr(m, "recompute_num_layers", None) or 1, L))
@@ -350,6 +439,7 @@ def activation_memory(cfg, lay: Layout, stage: int, attention: str) -> dict:
         "full_saved": saved,
         "in_flight_micro_batches": in_flight,
         "per_layer_none": full_layer["total"],
+        "per_layer_scores": full_layer["scores"],  # the s x s part of per_layer_none (0 with flash)
     }
 
 

@@ -6,6 +6,7 @@ Memory and activations: ``plan.py``. All per-device numbers are for the worst pi
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from megatron_md.models.builder import padded_vocab_size
 from megatron_md.models.presets import count_parameters
@@ -14,18 +15,113 @@ from megatron_md.parallel.orthogonalize import msign_flops
 from megatron_md.training import plan as P
 from megatron_md.training.throughput import model_flops_per_step
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device and the memory it reports to CUDA (``torch.cuda.get_device_properties(0).total_memory``),
+    or, where no such reading was found, nvidia-smi's total (CUDA's figure is 400-600 MiB lower on the
+    cards where both were seen)."""
+
+    name: str
+    mib: int
+    source: str  # "cuda" or "nvidia-smi"
+    note: str
+    aliases: tuple = ()
+
+    @property
+    def memory(self) -> int:
+        return self.mib * MIB
+
+
+# Readings of public logs (torch's _CudaDeviceProperties repr, nvidia-smi), not of this project's machines;
+# CUDA's total varies by a few MiB with the driver. The smallest reading seen is listed.
+DEVICES = (
+    Device("H100-80GB", 81082, "cuda", "H100 SXM 80GB HBM3: CUDA 81,082-81,090 MiB seen; nvidia-smi 81,559 MiB",
+           ("H100", "H100-SXM", "H100-SXM5", "H100-80GB-HBM3")),
+    Device("H100-PCIe", 81008, "cuda", "H100 PCIe 80GB", ("H100-PCIE-80GB",)),
+    Device("H100-NVL", 95830, "nvidia-smi", "H100 NVL 94GB (nvidia-smi's total; CUDA's not seen)", ("H100-94GB",)),
+    Device("H200", 143156, "cuda", "H200 SXM 141GB: CUDA 143,156 MiB seen; nvidia-smi 143,771 MiB",
+           ("H200-141GB", "H200-SXM")),
+    Device("GH200", 97871, "nvidia-smi", "GH200 480GB, its 96 GB HBM3 (nvidia-smi's total; CUDA's not seen)",
+           ("GH200-96GB", "GH200-480GB")),
+    Device("H20", 97285, "cuda", "H20 96GB"),
+    Device("B200", 182631, "cuda", "B200: CUDA 182,631-182,642 MiB seen"),
+    Device("A100-80GB", 81049, "cuda", "A100 80GB (seen on the PCIe card); nvidia-smi 81,920 MiB",
+           ("A100-SXM4-80GB", "A100-PCIE-80GB")),
+    Device("A100-40GB", 40536, "cuda", "A100 SXM4 40GB; nvidia-smi 40,960 MiB", ("A100-SXM4-40GB",)),
+    Device("A100-PCIe-40GB", 40326, "cuda", "A100 PCIe 40GB"),
+    Device("L40S", 45589, "cuda", "L40S 48GB"),
+)
+CPU = "cpu"
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[\s_]+", "-", name.strip()).upper()
+
+
+def find_device(name: str) -> Device | None:
+    k = _key(name)
+    return next((d for d in DEVICES if k in {_key(d.name), *map(_key, d.aliases)}), None)
+
+
+def device_names() -> str:
+    return ", ".join(d.name for d in DEVICES) + ", cpu"
 
 
 def parse_bytes(text: str, flag: str = "--device-memory") -> int:
-    """'80GB' (10^9), '141GiB' (2^30), '8e10' -> bytes; ValueError naming ``flag`` otherwise."""
+    """'80GiB' (2^30), '81559MiB', '80GB' (10^9) -> bytes. A size needs its unit: a bare number is refused,
+    naming ``flag``, since '80' would otherwise be 80 bytes."""
     mt = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if mt and not mt.group(2) and float(mt.group(1)) > 0:
+        raise ValueError(f"{flag} {text}: give a unit ({text}GiB; {text}GB is {text}·10^9 bytes; MiB as nvidia-smi "
+                         f"prints them, e.g. 81082MiB) or a device name (--device H100-80GB; "
+                         f"`megatron-md plan --list-devices`)")
     unit = mt.group(2).upper() if mt else None
     if not mt or unit not in _UNITS or float(mt.group(1)) <= 0:
-        raise ValueError(f"{flag} {text!r}: expected a positive size like 80GB, 141GiB or 96e9 "
-                         f"(units: {', '.join(u for u in _UNITS if u)})")
+        raise ValueError(f"{flag} {text!r}: expected a positive size with a unit, like 79GiB, 81082MiB or 80GB "
+                         f"(units: B, KB, MB, GB, TB (10^3-based), KiB, MiB, GiB, TiB (2^10-based)), "
+                         f"or a device name (--device H100-80GB)")
     return int(float(mt.group(1)) * _UNITS[unit])
+
+
+def parse_headroom(text) -> float:
+    """'5%' or '0.05' -> 0.05."""
+    t = str(text).strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < 1:
+        raise ValueError(f"--headroom {text!r}: expected a fraction of device memory, like 5% or 0.05")
+    return v
+
+
+def resolve_target(name: str | None, memory: str | int | None, memory_flag: str = "--device-memory",
+                   name_flag: str = "--device") -> dict | None:
+    """The device the plan checks against, from a device name and/or a memory size (a size beats the name's
+    memory; a device name given as the memory is that device). None when neither is given."""
+    dev = None
+    if isinstance(memory, str) and find_device(memory):
+        name, memory = memory, None
+    if name is not None:
+        dev = CPU if _key(name) == "CPU" else find_device(name)
+        if dev is None:
+            raise ValueError(f"{name_flag} {name!r}: unknown device; known: {device_names()} (names are "
+                             "case-insensitive), or give its memory with --device-memory (e.g. 79GiB)")
+    if dev == CPU and memory is None:
+        raise ValueError(f"{name_flag} cpu: give the memory of one rank with --device-memory (e.g. 4GiB)")
+    if dev is None and memory is None:
+        return None
+    out = {"name": CPU if dev == CPU else (dev.name if dev else None)}
+    if memory is not None:
+        out.update(memory=memory if isinstance(memory, int) else parse_bytes(memory, memory_flag), source="given")
+    else:
+        out.update(memory=dev.memory, source=dev.source, note=dev.note)
+    return out
 
 
 def human_bytes(n: float) -> str:
@@ -133,14 +229,26 @@ def communication(cfg, lay: P.Layout, static: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ the plan
 
 
-def make_plan(cfg, world: int, device_memory: int | None = None, attention: str = "auto") -> dict:
+DEFAULT_HEADROOM = 0.05
+
+
+def make_plan(cfg, world: int, target: dict | int | None = None, headroom: float = DEFAULT_HEADROOM) -> dict:
+    """The plan of ``cfg`` on ``world`` devices; with ``target`` (``resolve_target``'s dict, or a byte count)
+    the fit verdict: a mode fits when its total leaves at least ``headroom`` of the device's memory spare (for
+    the CUDA context, NCCL's buffers, allocator fragmentation and the optimizer step's temporaries, which the
+    plan does not count)."""
+    if isinstance(target, int):
+        target = {"name": None, "memory": target, "source": "given"}
     lay = P.layout_of(cfg, world)
-    kind = P.attention_kind(cfg, attention)
+    on_cpu = cfg.training.device == "cpu" or (target is not None and target.get("name") == "cpu")
+    if target is not None and target.get("name") == "cpu" and cfg.training.device == "cuda":
+        raise ValueError("--device cuda with a CPU target (target_device: cpu): the plan cannot be both")
+    attn = P.attention_for(cfg, on_cpu, lay.micro_batch, lay.tp)
     stages = sorted({0, lay.pp - 1})
     worst, per_stage = None, {}
     for stage in stages:
         st = P.static_memory(cfg, lay, stage)
-        act = P.activation_memory(cfg, lay, stage, kind)
+        act = P.activation_memory(cfg, lay, stage, attn, on_cpu)
         static_total = st["params"] + st["grads"] + st["master_weights"] + st["optimizer_state"]
         per_stage[stage] = {"static_total": static_total, "activations": {m: act[m] for m in P.RECOMPUTE_MODES},
                             "in_flight_micro_batches": act["in_flight_micro_batches"]}
@@ -163,7 +271,10 @@ def make_plan(cfg, world: int, device_memory: int | None = None, attention: str 
                    "dp": lay.dp, "expert_dp": lay.edp, "sequence_parallel": lay.sp,
                    "distributed_optimizer": lay.distopt, "micro_batch": lay.micro_batch,
                    "global_batch": lay.global_batch, "micro_batches": lay.micro_batches,
-                   "seq_length": cfg.model.seq_length, "attention": kind},
+                   "seq_length": cfg.model.seq_length, "attention": attn.kernel},
+        "attention": {"kernel": attn.kernel, "layer_spec": attn.spec, "why": attn.why,
+                      "counts": P.ATTENTION_KERNELS[attn.kernel],
+                      "scores_per_layer": act["per_layer_scores"]},
         "parameters": {"total": n.total, "active": n.active,
                        "padded_vocab": padded_vocab_size(cfg.model.vocab_size,
                                                          cfg.model.make_vocab_size_divisible_by, lay.tp)},
@@ -183,10 +294,25 @@ def make_plan(cfg, world: int, device_memory: int | None = None, attention: str 
                            "optimizer_newton_schulz_per_device": ns_total / ns_share},
         "communication_per_device": communication(cfg, lay, st),
     }
-    if device_memory is not None:
-        out["device_memory"] = device_memory
-        out["fits"] = {mode: totals[mode] <= device_memory for mode in P.RECOMPUTE_MODES}
+    if target is not None:
+        mem = target["memory"]
+        out["device"] = {**target, "on_cpu": on_cpu}
+        out["device_memory"] = mem
+        out["headroom"] = headroom
+        out["fits"] = {mode: totals[mode] <= mem * (1 - headroom) for mode in P.RECOMPUTE_MODES}
+        out["spare"] = {mode: mem - totals[mode] for mode in P.RECOMPUTE_MODES}
+        out["spare_fraction"] = {mode: 1 - totals[mode] / mem for mode in P.RECOMPUTE_MODES}
     return out
+
+
+def verdict(plan: dict, mode: str) -> str:
+    """'fits, 4.33 GiB (5.5%) spare' / 'TIGHT: ...' / 'DOES NOT FIT: ... over' for one recompute mode."""
+    spare, frac, head = plan["spare"][mode], plan["spare_fraction"][mode], plan["headroom"]
+    if plan["fits"][mode]:
+        return f"fits, {human_bytes(spare)} ({frac:.1%}) spare"
+    if spare >= 0:
+        return f"TIGHT: {human_bytes(spare)} ({frac:.1%}) spare, under the {head:.0%} headroom"
+    return f"DOES NOT FIT: {human_bytes(-spare)} over"
 
 
 def format_plan(plan: dict) -> str:
@@ -199,7 +325,11 @@ def format_plan(plan: dict) -> str:
         + f"  SP {'on' if lay['sequence_parallel'] else 'off'}  distributed optimizer "
         f"{'on' if lay['distributed_optimizer'] else 'off'}",
         f"batch: micro {lay['micro_batch']} x seq {lay['seq_length']}, global {lay['global_batch']} "
-        f"({lay['micro_batches']} micro-batches per DP rank), {lay['attention']} attention",
+        f"({lay['micro_batches']} micro-batches per DP rank)",
+        f"attention: {plan['attention']['kernel']} ({plan['attention']['why']})",
+        f"  its activations: {plan['attention']['counts']}"
+        + (f"; {human_bytes(plan['attention']['scores_per_layer'])} a layer per micro-batch"
+           if plan["attention"]["scores_per_layer"] else ""),
         "",
         f"per device (pipeline stage {dev['stage']}, {dev['param_count']:,} params)",
     ]
@@ -211,15 +341,20 @@ def format_plan(plan: dict) -> str:
         mark = "  <- configured" if mode == dev["recompute"] else ""
         rows.append((f"activations, recompute {mode}{mark}", dev["activations"][mode]))
     for mode in P.RECOMPUTE_MODES:
-        verdict = ""
-        if "fits" in plan:
-            verdict = "  fits" if plan["fits"][mode] else "  DOES NOT FIT"
-        rows.append((f"total, recompute {mode}", dev["total"][mode], verdict))
+        rows.append((f"total, recompute {mode}", dev["total"][mode],
+                     f"  {verdict(plan, mode)}" if "fits" in plan else ""))
     width = max(len(r[0]) for r in rows)
     for r in rows:
         lines.append(f"  {r[0].ljust(width)}  {human_bytes(r[1]):>12}{r[2] if len(r) > 2 else ''}")
-    if "device_memory" in plan:
-        lines.append(f"  {'device memory'.ljust(width)}  {human_bytes(plan['device_memory']):>12}")
+    if "device" in plan:
+        d = plan["device"]
+        what = {"cuda": "as CUDA reports it", "nvidia-smi": "nvidia-smi's total; CUDA's is lower",
+                "given": "as given"}[d["source"]]
+        name = f"{d['name']}, " if d.get("name") else ""
+        mib = f"{plan['device_memory'] / 2**20:,.0f} MiB"
+        mem = human_bytes(plan["device_memory"]) if d["source"] == "given" else mib
+        lines.append(f"  {'device memory'.ljust(width)}  {human_bytes(plan['device_memory']):>12}  "
+                     f"({name}{mem} {what}; a mode fits with {plan['headroom']:.0%} of it spare)")
     fl = plan["flops_per_step"]
     lines += ["", "FLOPs per step",
               f"  model (Megatron-LM formula)      {human_flops(fl['model']):>14}  "
@@ -230,6 +365,6 @@ def format_plan(plan: dict) -> str:
     for k, v in plan["communication_per_device"].items():
         if v or k == "total":
             lines.append(f"  {k.replace('_', ' ').ljust(24)} {human_bytes(v):>12}")
-    lines += ["", "(not counted: CUDA context, allocator fragmentation, temporary buffers of the optimizer "
-              "step; keep a few GiB free)"]
+    lines += ["", "(not counted: CUDA context, NCCL buffers, allocator fragmentation, temporary buffers of the "
+              "optimizer step: what --headroom keeps free)"]
     return "\n".join(lines)

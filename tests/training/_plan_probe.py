@@ -9,7 +9,9 @@ autograd keeps for backward), backward and optimizer step, then sums on each ran
 - grads: the DDP grad buffers (dense and expert-parallel);
 - master: fp32 parameters the inner optimizers step that are not model storages (bf16 master weights);
 - state: every tensor in the inner optimizers' state (moments, momentum, MD gains and their moments, duals);
-- activations: unique storages saved for backward in the forward, model storages excluded.
+- activations: unique storages saved for backward in the forward, model storages excluded;
+- scores: the part of ``activations`` in tensors whose last two dims are (seq, seq): the attention
+  probabilities, their copies, dropout masks and causal masks that unfused attention keeps.
 
 Rank 0 prints ``PROBE {name: {metric: max over ranks}}``. The ``__main__`` guard matters: megatron's
 dist-ckpt re-imports the file.
@@ -59,12 +61,15 @@ def measure(case: dict) -> dict:
     g = torch.Generator().manual_seed(1 + ps.get_data_parallel_rank())
     tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
     saved: dict[int, int] = {}
+    scores: dict[int, int] = {}
 
     def pack(x):
         if isinstance(x, torch.Tensor) and x.device.type == "cpu":
             k = storage_key(x)
             if k not in model_storages:
                 saved[k] = storage_bytes(x)
+                if x.dim() >= 2 and tuple(x.shape[-2:]) == (m.seq_length, m.seq_length):
+                    scores[k] = storage_bytes(x)
         return x
 
     position_ids = torch.arange(m.seq_length).unsqueeze(0).expand_as(tokens)
@@ -89,10 +94,10 @@ def measure(case: dict) -> dict:
                 k = storage_key(p)
                 if k not in model_storages and all(k != storage_key(b) for b in param_buffers):
                     master_seen[k] = p.numel() * p.element_size()
-    vals = torch.tensor([params, grads, sum(master_seen.values()), sum(state_seen.values()), activations],
-                        dtype=torch.float64)
+    vals = torch.tensor([params, grads, sum(master_seen.values()), sum(state_seen.values()), activations,
+                         sum(scores.values())], dtype=torch.float64)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-    keys = ("params", "grads", "master", "state", "activations")
+    keys = ("params", "grads", "master", "state", "activations", "scores")
     return {**dict(zip(keys, map(int, vals.tolist()))), "tp": tp, "dp": ps.get_data_parallel_world_size(),
             "ep": ps.get_expert_model_parallel_world_size()}
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from megatron_md.training.config import resolve
-from megatron_md.training.plan_report import make_plan, parse_bytes
+from megatron_md.training.plan_report import (DEVICES, find_device, make_plan, parse_bytes, parse_headroom,
+                                              resolve_target)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -116,10 +117,10 @@ def plan_cli(capsys, *args: str) -> tuple[int, str, str]:
     ("dense-1.29b", []),
     ("moe-6.7b", ["--expert-model-parallel-size", "8"]),
 ])
-def test_plan_big_presets_on_8x80gb(capsys, model, extra):
+def test_plan_big_presets_on_8x_h100(capsys, model, extra):
     from megatron_md.models.presets import count_parameters
 
-    rc, stdout, _ = plan_cli(capsys, "--json", "--model", model, "--num-gpus", "8", "--device-memory", "80GB", "--bf16",
+    rc, stdout, _ = plan_cli(capsys, "--json", "--model", model, "--num-gpus", "8", "--device", "H100-80GB", "--bf16",
                      "--use-distributed-optimizer", "--optimizer", "muon_md", "--micro-batch-size", "4",
                      "--global-batch-size", "256", *extra)
     assert rc == 0
@@ -138,7 +139,9 @@ def test_plan_big_presets_on_8x80gb(capsys, model, extra):
     acts = dev["activations"]
     assert acts["full"] < acts["selective"] <= acts["none"]
     assert dev["total"]["none"] == dev["static_total"] + acts["none"]
-    assert plan["fits"]["full"] is True and plan["device_memory"] == 80 * 10**9
+    assert plan["fits"]["full"] is True and plan["device_memory"] == 81082 * 2**20  # as CUDA reports it
+    assert plan["device"]["name"] == "H100-80GB" and plan["headroom"] == 0.05
+    assert plan["attention"]["kernel"] == "flash" and plan["attention"]["scores_per_layer"] == 0
     fl = plan["flops_per_step"]
     tokens = plan["layout"]["global_batch"] * plan["layout"]["seq_length"]
     assert 6 * n.active * tokens * 0.8 < fl["model"] < 6 * n.active * tokens * 1.5
@@ -154,6 +157,21 @@ def test_plan_big_presets_on_8x80gb(capsys, model, extra):
 def test_plan_text_table_and_fit_verdict(capsys):
     rc, stdout, _ = plan_cli(capsys, "--model", "dense-1.29b", "--num-gpus", "8", "--device-memory", "8GB")
     assert rc == 0 and "DOES NOT FIT" in stdout and "optimizer: adam moments" in stdout
+    assert "attention: flash" in stdout
+
+
+def test_fit_verdict_keeps_the_headroom(capsys):
+    """A total between (1 - headroom) and 100% of the device is TIGHT, not a fit; --headroom 0 makes it one."""
+    base = ["--json", "--model", "dense-181m", "--num-gpus", "1", "--bf16"]
+    _, stdout, _ = plan_cli(capsys, *base)
+    total = json.loads(stdout)["per_device"]["total"]["none"]
+    mem = f"{total / 0.97 / 2**20:.0f}MiB"  # 3% spare
+    for headroom, fits in (("5%", False), ("0.02", True), ("0", True)):
+        _, stdout, _ = plan_cli(capsys, *base, "--device-memory", mem, "--headroom", headroom)
+        plan = json.loads(stdout)
+        assert plan["fits"]["none"] is fits and plan["spare_fraction"]["none"] == pytest.approx(0.03, abs=1e-4)
+    _, stdout, _ = plan_cli(capsys, *base[1:], "--device-memory", mem)
+    assert "TIGHT" in stdout and "under the 5% headroom" in stdout
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -162,6 +180,16 @@ def test_plan_text_table_and_fit_verdict(capsys):
     (["--device-memory=-1GB"], "--device-memory '-1GB'"),
     (["--device-memory", "0GB"], "--device-memory '0GB'"),
     (["--num-gpus", "3", "--tensor-model-parallel-size", "2"], "--world-size 3"),
+    # A size without a unit is refused, not read as bytes (80 bytes: nothing fits) or as GB.
+    (["--device-memory", "80"], "--device-memory 80: give a unit"),
+    (["--device-memory", "80G"], "--device-memory '80G'"),
+    (["--device", "H300"], "--device 'H300': unknown device; known: H100-80GB"),
+    (["--target-device", "cpu"], "--device cpu: give the memory of one rank"),
+    (["--headroom", "120%"], "--headroom '120%'"),
+    (["--device", "H100-80GB", "--transformer-impl", "local", "--attention-backend", "flash"],
+     "--attention-backend flash is a Transformer Engine kernel"),
+    (["--device", "cpu", "--device-memory", "4GiB", "--transformer-impl", "transformer_engine"],
+     "--transformer-impl transformer_engine needs CUDA"),
 ])
 def test_plan_bad_input(capsys, args, needle):
     rc, _, stderr = plan_cli(capsys, "--model", "dense-1.29b", *args)
@@ -171,23 +199,94 @@ def test_plan_bad_input(capsys, args, needle):
 def test_parse_bytes_units():
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("141 GiB") == 141 * 2**30
-    assert parse_bytes("96e9") == 96 * 10**9
-    with pytest.raises(ValueError, match="--device-memory"):
-        parse_bytes("80 gigs")
+    assert parse_bytes("80gib") == 80 * 2**30
+    assert parse_bytes("79.6GiB") == int(79.6 * 2**30)
+    assert parse_bytes("81559MiB") == 81559 * 2**20
+    for bad in ("80 gigs", "96e9", "80", "80G"):
+        with pytest.raises(ValueError, match="--device-memory"):
+            parse_bytes(bad)
+    assert parse_headroom("5%") == parse_headroom("0.05") == 0.05
 
 
-def test_readme_plans_are_current(capsys):
-    """The README's plan table (benchmarks/results/plan_8x80gb.json) is what this code plans now."""
-    stored = json.loads((ROOT / "benchmarks" / "results" / "plan_8x80gb.json").read_text())
+def test_device_names():
+    """Names are case-insensitive (spaces and underscores read as dashes); memory is what CUDA reports."""
+    assert find_device("h100-80gb") is find_device("H100 80GB") is find_device("h100") is DEVICES[0]
+    assert find_device("H100-80GB").memory == 81082 * 2**20  # 79.18 GiB, not 80 GiB nor 80 GB
+    assert find_device("h200").memory == 143156 * 2**20
+    assert find_device("A100_40GB").name == "A100-40GB" and find_device("H300") is None
+    assert len({d.name for d in DEVICES}) == len(DEVICES)
+    assert all(d.source in ("cuda", "nvidia-smi") and 30_000 < d.mib < 200_000 for d in DEVICES)
+    # A size beats the name's memory; a device name given as the memory is that device.
+    assert resolve_target("H200", "100GiB")["memory"] == 100 * 2**30
+    assert resolve_target(None, "H200")["name"] == "H200"
+    assert resolve_target(None, None) is None
+
+
+def _attention(cli: dict, cpu: bool = False) -> dict:
+    cfg = resolve("dense-181m", None, {"mock_data": True, "bf16": True, "micro_batch_size": 2, **cli})
+    target = {"name": "cpu", "memory": 2**34, "source": "given"} if cpu else find_device("H100-80GB").memory
+    return make_plan(cfg, 1, target)["attention"]
+
+
+@pytest.mark.parametrize("cli, cpu, kernel", [
+    ({}, False, "flash"),  # auto on a GPU: TE's spec, TE picks flash or cuDNN attention
+    ({"attention_backend": "fused"}, False, "flash"),
+    ({"transformer_impl": "transformer_engine", "attention_backend": "unfused"}, False, "te-unfused"),
+    ({"transformer_impl": "local"}, False, "unfused"),  # no TE: megatron-core's DotProductAttention
+    ({"transformer_impl": "local", "attention_backend": "unfused"}, False, "unfused"),
+    ({"transformer_impl": "local", "masked_softmax_fusion": True}, False, "unfused-fused-softmax"),
+    ({"transformer_impl": "local", "masked_softmax_fusion": True, "seq_length": 8192,
+      "max_position_embeddings": 8192}, False, "unfused"),  # the fused kernel stops at 4096
+    ({}, True, "unfused"),  # CPU: always the local spec
+    ({"device": "cpu"}, False, "unfused"),
+])
+def test_attention_kernel_follows_the_config(cli, cpu, kernel):
+    attn = _attention(cli, cpu)
+    assert attn["kernel"] == kernel, attn
+    m = resolve("dense-181m", None, {**cli}).model
+    a, s, b = m.num_attention_heads, m.seq_length, 2
+    # bf16: torch's softmax keeps 4 + 2 bytes a score plus an s x s bool mask; the fused kernel 2 bytes.
+    expect = {"flash": 0, "unfused": a * s * s * b * 6 + s * s, "te-unfused": a * s * s * b * 6 + s * s,
+              "unfused-fused-softmax": a * s * s * b * 2}[kernel]
+    assert attn["scores_per_layer"] == expect
+
+
+# Unfused attention at a shape where its s x s tensors are a large part (seq 256 against hidden 64): fp32 and bf16,
+# with and without attention dropout (which adds a bool mask and keeps dropout's output instead of the copy).
+SCORE_CASES = [
+    {"name": f"scores-{prec}-drop{drop}", "model": "tiny-dense",
+     "cli": {"optimizer": "adam", "vocab_size": 512, "seq_length": 256, "max_position_embeddings": 256,
+             "micro_batch_size": 2, "bf16": prec == "bf16", "attention_dropout": drop}}
+    for prec in ("fp32", "bf16") for drop in (0.0, 0.1)
+]
+
+
+def test_unfused_attention_scores_match_measurement():
+    measured = probe(1, SCORE_CASES)
+    for case in SCORE_CASES:
+        plan = planned(1, case)
+        assert plan["attention"]["kernel"] == "unfused"
+        layers = resolve(case["model"], None, dict(case["cli"])).model.num_layers
+        got = measured[case["name"]]
+        assert got["scores"] == layers * plan["attention"]["scores_per_layer"], (case["name"], got, plan["attention"])
+        assert got["scores"] > 0.25 * got["activations"], got  # a large part at this shape
+        acts = plan["per_device"]["activations"]["none"]
+        assert abs(acts / got["activations"] - 1) < 0.05, (case["name"], acts, got["activations"])
+
+
+def test_docs_plans_are_current(capsys):
+    """docs/planning.md's plan table (benchmarks/results/plan_8xh100.json) is what this code plans now."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
-        from plan_tables import COMMON
+        from plan_tables import COMMON, RESULT
     finally:
         sys.path.remove(str(ROOT / "tools"))
+    stored = json.loads((ROOT / RESULT).read_text())
     for name, entry in stored["plans"].items():
         rc, stdout, _ = plan_cli(capsys, *entry["args"], *COMMON, "--json")
         assert rc == 0 and json.loads(stdout) == entry["plan"], (
-            f"{name}: stale; run python tools/plan_tables.py --generate && python tools/render_readme_tables.py")
+            f"{name}: stale; run python tools/plan_tables.py --generate && "
+            "python tools/render_readme_tables.py --block plan")
 
 
 def test_plan_pipeline_and_tensor_split(capsys):
