@@ -318,11 +318,11 @@ class LoggingConfig:
     log_interval: int = opt(10, "Steps between log lines and metrics.jsonl records.")
     run_dir: Optional[str] = opt(None, "Run directory (default runs/<time>-<model>).")
     tensorboard_dir: Optional[str] = opt(None, "TensorBoard dir (default <run-dir>/tensorboard).")
-    wandb_project: Optional[str] = opt(None, "W&B project; set it to log online.")
-    wandb_exp_name: Optional[str] = opt(None, "W&B run name.")
-    wandb_save_dir: Optional[str] = opt(None, "W&B files (default <run-dir>).")
+    wandb_project: Optional[str] = opt(None, "W&B project (else WANDB_PROJECT); a project means online unless a mode says otherwise.")
+    wandb_exp_name: Optional[str] = opt(None, "W&B run name (else WANDB_NAME, else the run directory's name).")
+    wandb_save_dir: Optional[str] = opt(None, "W&B files (else WANDB_DIR, else <run-dir>).")
     wandb_mode: Optional[str] = opt(
-        None, "W&B mode (default offline, online with a project).", ["offline", "online", "disabled"]
+        None, "W&B mode (else WANDB_MODE; else online with a project, offline without).", ["offline", "online", "disabled"]
     )
     progress_bar: Optional[bool] = opt(None, "Show a progress bar (default: when stderr is a tty).")
     diagnostics_interval: int = opt(
