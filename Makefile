@@ -49,7 +49,7 @@ gpu-bench: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
 
-# Redraw the records' figures and rewrite the README's generated tables (records/, benchmarks/results/).
+# Redraw the records' figures and rewrite the generated tables in README.md and docs/ (records/, benchmarks/results/).
 readme: $(STAMP)
 	$(PY) tools/plot_records.py $$(ls -d records/*-lr-transfer records/*-md-ablations records/*-manifold-geometry 2>/dev/null)
 	$(PY) tools/render_readme_tables.py

@@ -11,7 +11,7 @@ step), then reports the bytes of state it holds:
   the largest DP2 rank must hold at most 0.55x the DP1 rank's;
 - ``all_state``: every inner optimizer's state plus fp32 master weights, for context.
 
-Writes ``--out`` (JSON) and the same name with ``.md`` (the table the README shows).
+Writes ``--out`` (JSON) and the same name with ``.md`` (the table docs/checkpoints.md shows).
 
     python benchmarks/optimizer_state.py                              # dense-181m at its real shape
     python benchmarks/optimizer_state.py --model tiny-dense --out /tmp/state.json
@@ -158,7 +158,7 @@ def compare(dp1: list[dict], dpn: list[dict], optimizers: list[str]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    """The README table, rendered by tools/render_readme_tables.py (one renderer for both places)."""
+    """The docs table, rendered by tools/render_readme_tables.py (one renderer for both places)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("render_readme_tables", REPO / "tools" / "render_readme_tables.py")

@@ -15,7 +15,7 @@ the phases of the MD step (``megatron_md.optim.md``), around msign in both Muons
 inner optimizer's ``step``; those steps are not part of the medians.
 
 Writes ``--out`` (JSON: machine, settings, results) and the same name with ``.md`` (the table,
-rendered by ``tools/render_readme_tables.py``, which also puts it into the README).
+rendered by ``tools/render_readme_tables.py``, which also puts it into docs/performance.md).
 
     python benchmarks/optimizer_step.py                 # or: make bench
     python benchmarks/optimizer_step.py --steps 20 --threads 4 --out /tmp/bench.json
