@@ -1,11 +1,12 @@
-# The README's two commands: `make demo` and `make test`. Each builds .venv first if needed.
+# The README's two commands: `make demo` and `make test` (the quick tier); `make test-all` is the full matrix
+# that CI runs. Each builds .venv first if needed. The tiers are set in tests/conftest.py (FULL_ONLY).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_md-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow test-reshard test-multirank params gpu-smoke gpu-bench bench readme records clean-runs
+.PHONY: setup demo test test-all test-slow test-reshard test-multirank params gpu-smoke gpu-bench bench readme records clean-runs
 
 setup: $(STAMP)
 
@@ -27,8 +28,13 @@ install-env:
 wheel:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip wheel --no-deps -w dist . && rm -rf build
 
+# Quick tier: every cheap test and one case of each expensive family (docs/tests.md).
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not full" $(PYTEST_ARGS)
+
+# Full matrix: what CI runs.
+test-all: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
