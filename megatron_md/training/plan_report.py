@@ -77,8 +77,8 @@ def parse_bytes(text: str, flag: str = "--device-memory") -> int:
     naming ``flag``, since '80' would otherwise be 80 bytes."""
     mt = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if mt and not mt.group(2) and float(mt.group(1)) > 0:
-        raise ValueError(f"{flag} {text}: give a unit ({text}GiB; {text}GB is {text}·10^9 bytes; MiB as nvidia-smi "
-                         f"prints them, e.g. 81082MiB) or a device name (--device H100-80GB; "
+        raise ValueError(f"{flag} {text}: give a unit ({text}GiB; {text}GB is {text}·10^9 bytes; or MiB as CUDA "
+                         f"reports them, e.g. 81082MiB for an H100 80GB) or a device name (--device H100-80GB; "
                          f"`megatron-md plan --list-devices`)")
     unit = mt.group(2).upper() if mt else None
     if not mt or unit not in _UNITS or float(mt.group(1)) <= 0:
