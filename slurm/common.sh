@@ -265,11 +265,7 @@ md_run_smoke() {
     trap 'MD_GOT_USR1=1; md_info "SIGUSR1 during the smoke step: the run will not start; requeueing"' USR1
     "$@" &
     MD_CHILD=$!
-    wait "$MD_CHILD" || rc=$?
-    while ((rc > 128)) && kill -0 "$MD_CHILD" 2>/dev/null; do
-        rc=0
-        wait "$MD_CHILD" || rc=$?
-    done
+    md_wait_child || rc=$?
     MD_CHILD=""
     trap - USR1
     if ((rc == 124 || rc == 137)) && [[ $1 == timeout ]]; then
@@ -291,6 +287,18 @@ md_run_smoke() {
 MD_GOT_USR1=0
 MD_CHILD=""
 
+# Wait for MD_CHILD to end and return its exit code. wait returns >128 when a trapped signal interrupts
+# it while the child still runs, so wait again until the child is really gone.
+md_wait_child() {
+    local rc=0
+    wait "$MD_CHILD" || rc=$?
+    while ((rc > 128)) && kill -0 "$MD_CHILD" 2>/dev/null; do
+        rc=0
+        wait "$MD_CHILD" || rc=$?
+    done
+    return "$rc"
+}
+
 md_on_usr1() {
     MD_GOT_USR1=1
     md_info "SIGUSR1: the time limit is near; asking the run to save and stop"
@@ -308,12 +316,7 @@ md_run_with_requeue() {
     trap md_on_usr1 USR1
     "$@" &
     MD_CHILD=$!
-    wait "$MD_CHILD" || rc=$?
-    # wait returns >128 when a trapped signal interrupts it; the child is still running then.
-    while ((rc > 128)) && kill -0 "$MD_CHILD" 2>/dev/null; do
-        rc=0
-        wait "$MD_CHILD" || rc=$?
-    done
+    md_wait_child || rc=$?
     trap - USR1
     if ((MD_GOT_USR1 && rc != 0)); then
         md_requeue
