@@ -29,6 +29,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.tensor_parallel import layers as tp_layers
 
 from megatron_md.mcore import naming
+from megatron_md.mcore.families import MD_OPTIMIZERS
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
 from megatron_md.optim.md import GAIN_AXES, MDHyperParams
@@ -39,7 +40,6 @@ from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
 GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
 # state that does not have its parameter's shape: megatron's checkpoint cannot hold it (md_checkpoint.py does)
 SIDE_KEYS = GAIN_KEYS + tuple(k for b in BASES.values() for k in b.side_state)
-MD_OPTIMIZERS = {"muon_md": "muon", "adam_md": "adam", "lion_md": "lion", "soap_md": "soap"}  # name -> base
 
 # Attributes our tagging sets on model params; registered so megatron copies them onto the fp32
 # master params it makes for bf16 training (only keys of this dict survive that copy).
@@ -327,10 +327,10 @@ def _is_out_proj(p: torch.Tensor) -> bool:
     return key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight")
 
 
-def optimizer_config_kwargs(o) -> dict:
-    """MDOptimizerConfig fields from our OptimConfig section."""
+def optimizer_config_kwargs(o, md_base: str = "muon") -> dict:
+    """MDOptimizerConfig fields from our OptimConfig section (``md_base``: the family's base update)."""
     return dict(
-        md_base=MD_OPTIMIZERS.get(o.optimizer, "muon"),
+        md_base=md_base,
         matrix_lr=o.matrix_lr, embedding_lr=o.embedding_lr, gains_lr=o.gains_lr,
         md_sphere=o.md_sphere, md_gains=o.md_gains, md_gain_param=o.md_gain_param,
         md_scale_mode=o.md_scale_mode, md_ns_coefficients=o.md_ns_coefficients,

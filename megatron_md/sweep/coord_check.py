@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_md.sweep.grid import RECIPES, SweepSpec, lr_of_k
-from megatron_md.training.config import MD_OPTIMIZERS
+from megatron_md.mcore.families import family_of
 
 ROLES = ["attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2"]
 COLUMNS = ["optimizer", "width", "lr", "layer", "step", "act_rms", "act_delta_rms", "rel_update",
@@ -108,10 +108,7 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
     vocab = vocab_size_for(cfg, tok)
     model, _ = build_wrapped_model(cfg, vocab, cpu=rt.name == "cpu")
     optimizer, scheduler = build_optimizer(cfg, model)
-    if cfg.optimizer.optimizer in (*MD_OPTIMIZERS, "manifold_muon"):
-        from megatron_md.mcore.md_checkpoint import sync_model_params
-
-        sync_model_params(optimizer)
+    family_of(cfg).after_build(optimizer)
     gbs = global_batch_size(cfg)
     train, _, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, tok,
                                      gbs, 1, 0, mock=cfg.data.mock_data, path_to_cache=cfg.data.data_cache_path,

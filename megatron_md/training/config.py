@@ -17,6 +17,10 @@ from typing import Any, Optional
 
 import yaml
 
+from megatron_md.mcore.families import FAMILIES, descriptions
+
+OPTIMIZER_DESCRIPTIONS = descriptions()
+
 
 def opt(default, help: str, choices=None, nargs=None):
     return field(default=default, metadata={"help": help, "choices": choices, "nargs": nargs})
@@ -127,9 +131,8 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     optimizer: str = opt(
-        "adam", "Optimizer: adam, megatron-core's muon, MD decoupling with a Muon, Adam, Lion or SOAP base "
-        "(muon_md, adam_md, lion_md, soap_md), or module-wise Manifold Muon (manifold_muon, with --geometry).",
-        ["adam", "muon", "muon_md", "adam_md", "lion_md", "soap_md", "manifold_muon"],
+        "adam", "Optimizer: " + "; ".join(f"{n}: {d}" for n, d in OPTIMIZER_DESCRIPTIONS.items()) + ".",
+        list(OPTIMIZER_DESCRIPTIONS),
     )
     lr: float = opt(3e-4, "Peak learning rate (1-D params and LM head; all params for adam/muon).")
     min_lr: float = opt(0.0, "Final learning rate.")
@@ -527,19 +530,13 @@ def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict) -> RunCo
         apply_overrides(cfg, get_preset(preset), f"preset {preset}")
     apply_overrides(cfg, file_values, f"--config {yaml_path}")
     explicit = set(cli) | _keys(file_values)
-    if (cli.get("optimizer") or cfg.optimizer.optimizer) in MD_RECIPE_OPTIMIZERS:
-        # The MD paper recipe, unless set explicitly: no weight decay, no warmup, linear decay.
-        for k, v in MD_RECIPE.items():
-            if k not in explicit:
-                apply_overrides(cfg, {k: v}, "MD recipe")
+    family = FAMILIES.get(cli.get("optimizer") or cfg.optimizer.optimizer)
+    for k, v in (family.recipe if family else {}).items():  # the family's recipe, unless set explicitly
+        if k not in explicit:
+            apply_overrides(cfg, {k: v}, f"{cli.get('optimizer') or cfg.optimizer.optimizer} recipe")
     apply_overrides(cfg, cli, "command line")
     derive_sizes(cfg.model, explicit)
     return cfg
-
-
-MD_OPTIMIZERS = ("muon_md", "adam_md", "lion_md", "soap_md")  # MD decoupling, by base update
-MD_RECIPE_OPTIMIZERS = MD_OPTIMIZERS
-MD_RECIPE = {"weight_decay": 0.0, "lr_warmup_iters": 0, "lr_decay_style": "linear", "clip_grad": 1.0}
 
 
 def _keys(d: dict) -> set[str]:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_md.mcore.families import family_of
 from megatron_md.models.builder import padded_vocab_size
-from megatron_md.optim.policy import MANIFOLD_GEOMETRIES, make_policy
 
 FP32 = 4
 
@@ -159,8 +159,7 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
     """Bytes of optimizer state by kind for ``tensors`` (unsharded over DP), as the optimizers allocate it."""
     o = cfg.optimizer
     kinds = {"adam_moments": 0, "muon_momentum": 0, "md_gains": 0, "manifold_duals": 0, "soap_factors": 0}
-    policy = make_policy(o.geometry) if o.optimizer == "manifold_muon" else None
-    md_base = {"adam_md": "adam", "lion_md": "lion", "soap_md": "soap"}.get(o.optimizer, "muon")
+    family = family_of(cfg)
 
     def adam(n):
         kinds["adam_moments"] += 2 * FP32 * n
@@ -182,33 +181,20 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
 
     for tn in tensors:
         matrix = len(tn.local) == 2 and tn.role not in ("norm", "bias", "position_embedding")
-        if o.optimizer == "adam" or not matrix:
+        if not matrix:
             adam(tn.numel)
-        elif o.optimizer == "muon":
-            # megatron's Muon leaves the embedding and the LM head to AdamW
-            base("adam" if tn.role in ("embedding", "head") else "muon", tn.numel)
-        elif o.optimizer.endswith("_md"):  # muon_md, adam_md, lion_md, soap_md
-            if tn.role == "embedding":
-                md(tn, "adam", "none") if o.md_embedding_sphere != "none" else adam(tn.numel)
-            elif tn.role == "head":
-                md(tn, "adam", o.md_output_gains) if o.md_output_sphere != "none" else adam(tn.numel)
-            elif tn.role == "router":
-                md(tn, "muon", o.md_gains)
-            else:
-                md(tn, md_base, o.md_gains)
-        else:  # manifold_muon: the policy's geometry and base per role
-            asg = policy.assign(tn.role)
-            if asg.geometry == "md":
-                gains = {"embedding": "none", "head": o.md_output_gains}.get(tn.role, o.md_gains)
-                md(tn, asg.base, gains)
-            elif asg.geometry in MANIFOLD_GEOMETRIES:
-                base("muon", tn.numel)
-                if o.manifold_mode == "fast":
-                    rows, cols = tn.full
-                    blocks = qkv_rows(cfg) if (o.manifold_split_qkv and tn.role == "attention.qkv") else [rows]
-                    kinds["manifold_duals"] += FP32 * tn.count * sum(min(r, cols) ** 2 for r in blocks)
-            else:
-                base(asg.base, tn.numel)
+            continue
+        a = family.assign(cfg, tn.role)
+        if a.kind == "md":
+            md(tn, a.base, a.gains)
+        elif a.kind == "manifold":
+            base("muon", tn.numel)
+            if o.manifold_mode == "fast":
+                rows, cols = tn.full
+                blocks = qkv_rows(cfg) if (o.manifold_split_qkv and tn.role == "attention.qkv") else [rows]
+                kinds["manifold_duals"] += FP32 * tn.count * sum(min(r, cols) ** 2 for r in blocks)
+        else:
+            base(a.base, tn.numel, tn)
     return kinds
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from megatron_md.mcore.families import family_of
 from megatron_md.models.builder import padded_vocab_size
 from megatron_md.models.presets import count_parameters
-from megatron_md.optim.policy import MANIFOLD_GEOMETRIES, make_policy
 from megatron_md.parallel.orthogonalize import msign_flops
 from megatron_md.training import plan as P
 from megatron_md.training.throughput import model_flops_per_step
@@ -150,9 +150,7 @@ def model_flops(cfg, global_batch: int, tp: int = 1) -> float:
 
 def optimizer_ns_flops(cfg) -> float:
     """Newton–Schulz FLOPs of one optimizer step over the whole model (msign_flops per orthogonalised block)."""
-    o, m = cfg.optimizer, cfg.model
-    if o.optimizer in ("adam", "adam_md", "lion_md", "soap_md"):  # no Newton-Schulz in their hidden matrices
-        return 0.0
+    m = cfg.model
     h, f = m.hidden_size, m.ffn_hidden_size
     qkv = [(r, h) for r in P.qkv_rows(cfg)]
     fc1 = [(2 * f, h)] if m.swiglu else [(f, h)]
@@ -168,25 +166,15 @@ def optimizer_ns_flops(cfg) -> float:
             shapes["experts.fc2"] = shapes["experts.fc2"] + [(h, shared)]
     else:
         shapes["mlp.fc1"], shapes["mlp.fc2"] = fc1, [(h, f)]
-    total = 0.0
-    if o.optimizer in ("muon", "muon_md"):
-        for role, blocks in shapes.items():
-            if o.optimizer == "muon" and role == "attention.qkv":
-                blocks = [(sum(r for r, _ in blocks), h)]  # megatron Muon: the fused matrix
-            total += sum(msign_flops(r, c, o.muon_num_ns_steps) for r, c in blocks)
-    elif o.optimizer == "manifold_muon":
-        policy = make_policy(o.geometry)
-        fast = o.manifold_mode == "fast"
-        steps = o.manifold_fast_msign_steps if fast else o.manifold_msign_steps
-        calls = (o.manifold_fast_dual_steps if fast else o.manifold_dual_steps) + 1
-        for role, blocks in shapes.items():
-            asg = policy.assign(role)
-            if asg.geometry in MANIFOLD_GEOMETRIES:
-                if role == "attention.qkv" and not o.manifold_split_qkv:
-                    blocks = [(sum(r for r, _ in blocks), h)]
-                total += calls * sum(msign_flops(r, c, steps) for r, c in blocks)
-            elif asg.base == "muon":
-                total += sum(msign_flops(r, c, o.muon_num_ns_steps) for r, c in blocks)
+    family, total = family_of(cfg), 0.0
+    for role, blocks in shapes.items():
+        work = family.ns_work(cfg, role)
+        if work is None:
+            continue
+        calls, steps, fused_qkv = work
+        if role == "attention.qkv" and fused_qkv:
+            blocks = [(sum(r for r, _ in blocks), h)]  # one msign on the fused QKV matrix
+        total += calls * sum(msign_flops(r, c, steps) for r, c in blocks)
     return m.num_layers * total
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_md.training.config import MD_OPTIMIZERS, RunConfig
+from megatron_md.mcore.families import family_of
+from megatron_md.training.config import RunConfig
 
 
 class ConfigError(ValueError):
@@ -106,38 +107,12 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     if o.lr_decay_style == "WSD":
         need(o.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
     need(o.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
-    if o.optimizer == "manifold_muon":
-        for name in ("manifold_dual_steps", "manifold_msign_steps", "manifold_fast_dual_steps",
-                     "manifold_fast_msign_steps"):
-            need(getattr(o, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("manifold_dual_lr", "manifold_fast_dual_lr"):
-            need(getattr(o, name) > 0, f"--{name.replace('_', '-')} must be > 0")
-    if o.optimizer == "muon":
-        need(o.muon_tp_mode != "layer_sharded",
-             "--muon-tp-mode layer_sharded is MD's and Manifold Muon's engine; megatron-core 0.19's muon takes "
-             "duplicated, distributed or blockwise")
-    elif o.optimizer in ("muon_md", "manifold_muon"):
-        need(o.muon_tp_mode in ("auto", "layer_sharded", "duplicated"),
-             f"--muon-tp-mode {o.muon_tp_mode} is megatron Muon's; {o.optimizer} orthogonalises whole matrices: "
-             "use layer_sharded (default) or duplicated")
-    _md_option_errors(cfg, need)
-    if o.optimizer in (*MD_OPTIMIZERS, "manifold_muon"):
-        need(o.muon_scale_mode == "spectral",
-             f"--muon-scale-mode is megatron Muon's; {o.optimizer} scales its update with --md-scale-mode")
-        need(o.muon_extra_scale_factor == 1.0,
-             f"--muon-extra-scale-factor is megatron Muon's; {o.optimizer} has no extra update scale (its LR sets "
-             "the step: --matrix-lr)")
-    if o.optimizer == "manifold_muon":
-        need(o.md_ns_coefficients == "quintic" or "md" in o.geometry,
-             "--md-ns-coefficients applies to MD groups only and --geometry "
-             f"{o.geometry} has none; Manifold Muon uses Polar Express (--manifold-msign-steps, "
-             "--manifold-fast-msign-steps)")
-        need(o.muon_num_ns_steps == 5 or "md" in o.geometry,
-             "--muon-num-ns-steps applies to MD groups only and --geometry "
-             f"{o.geometry} has none; set --manifold-msign-steps / --manifold-fast-msign-steps instead")
+    family_of(cfg).validate(cfg, need)
+    for name in ("lion_beta1", "lion_beta2", "soap_shampoo_beta"):
+        need(0.0 <= getattr(o, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(o, name)}")
     need(cfg.logging.log_interval >= 1, "--log-interval must be >= 1")
     need(m.seq_length <= m.max_position_embeddings, "--seq-length exceeds --max-position-embeddings")
-    if o.optimizer != "adam" and p.use_distributed_optimizer:
+    if family_of(cfg).steps_matrices and p.use_distributed_optimizer:
         need(
             t.bf16,
             f"--optimizer {o.optimizer} with --use-distributed-optimizer uses megatron-core's "
@@ -260,30 +235,3 @@ def _rampup_errors(cfg: RunConfig, world_size: int) -> list[str]:
                       "be a multiple of INCREMENT")
     return errors
 
-
-def _md_option_errors(cfg: RunConfig, need) -> None:
-    """MD options of the authors' code: only for MD optimizers, and only in combinations that can hold."""
-    o, p = cfg.optimizer, cfg.parallel
-    md_like = o.optimizer in (*MD_OPTIMIZERS, "manifold_muon")
-    flags = {"md_preserve_init": o.md_preserve_init, "md_tangent_grad": o.md_tangent_grad,
-             "md_normalize_update": o.md_normalize_update}
-    for name, on in flags.items():
-        need(md_like or not on, f"--{name.replace('_', '-')} is an MD option; it needs --optimizer "
-             f"{', '.join(MD_OPTIMIZERS)} (or manifold_muon with MD groups), not {o.optimizer}")
-    if o.optimizer == "manifold_muon":
-        need("embed" not in (o.md_sphere, o.md_gains) and not o.md_out_proj_radius,
-             "manifold_muon groups matrices by role, so out-projections cannot differ from the other hidden "
-             "matrices: drop --md-sphere/--md-gains embed and --md-out-proj-radius, or use an MD optimizer")
-    if o.md_preserve_init:
-        sphere = "row" if o.md_sphere == "embed" else o.md_sphere
-        holds = {"flat": ("rowcol", "row", "col", "flat", "embed"), "row": ("rowcol", "row", "embed"),
-                 "col": ("rowcol", "col")}[sphere]
-        need(o.md_gains in holds, f"--md-preserve-init keeps the initial norms in the gains, and on the "
-             f"{o.md_sphere} sphere that needs --md-gains {' or '.join(holds)} (got {o.md_gains})")
-    for name in ("lion_beta1", "lion_beta2", "soap_shampoo_beta"):
-        need(0.0 <= getattr(o, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(o, name)}")
-    if o.optimizer == "soap_md":
-        tp, etp = p.tensor_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
-        need(tp == 1 and etp == 1, "soap_md keeps Kronecker factors of whole matrices, so it does not run on "
-             f"tensor-parallel shards (TP {tp}, expert TP {etp}); use --tensor-model-parallel-size 1 and "
-             "--expert-tensor-parallel-size 1, or another MD base (muon_md, adam_md, lion_md)")

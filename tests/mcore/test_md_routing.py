@@ -94,12 +94,11 @@ def test_out_projection_radius_option(mcore_world):
 
 
 def test_md_optimizer_names_agree():
-    """The trainer's list of MD optimizers (no megatron import) and the registry's name -> base map."""
-    from megatron_md.mcore.md_optimizer import MD_OPTIMIZERS as REGISTERED
+    """The MD family's one list of optimizers covers every base update, and is what megatron's registry gets."""
+    from megatron_md.mcore.families import MD_OPTIMIZERS, MDFamily
     from megatron_md.optim.bases import BASES
-    from megatron_md.training.config import MD_OPTIMIZERS
 
-    assert tuple(REGISTERED) == MD_OPTIMIZERS and set(REGISTERED.values()) == set(BASES)
+    assert tuple(MDFamily.BASES) == MD_OPTIMIZERS and set(MDFamily.BASES.values()) == set(BASES)
 
 
 def test_embed_mode_and_preserve_init_route_by_role(mcore_world):

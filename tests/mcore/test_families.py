@@ -1,0 +1,75 @@
+"""The optimizer-family registry: one entry per --optimizer, and no optimizer named outside it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_md.mcore.families import FAMILIES, MD_OPTIMIZERS, descriptions, family_of
+from megatron_md.training.config import FIELDS, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "megatron_md"
+# Where the run is built and driven: none of it may branch on an optimizer's name. (Record judging,
+# sweep/records.py, names the optimizers whose claims it judges; the sweep's LR ladders are a table.)
+NO_NAMES = [*sorted((PKG / "training").glob("*.py")), PKG / "cli.py", PKG / "sweep" / "coord_check.py",
+            PKG / "sweep" / "command.py", PKG / "sweep" / "runner.py", PKG / "sweep" / "grid.py"]
+
+
+def _name_comparisons(path: Path, root: Path = ROOT) -> list[str]:
+    names = set(FAMILIES)
+    found = []
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            text = ast.unparse(node)
+            consts = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            if "optimizer" in text and consts & names:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {text}")
+        if isinstance(node, ast.Name) and node.id == "MD_OPTIMIZERS":
+            found.append(f"{path.relative_to(root)}:{node.lineno}: MD_OPTIMIZERS")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "endswith":
+            if any(isinstance(a, ast.Constant) and a.value == "_md" for a in node.args):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_optimizer_name_is_compared_outside_the_registry():
+    found = [hit for path in NO_NAMES for hit in _name_comparisons(path)]
+    assert not found, "branch on the family (megatron_md/mcore/families.py) instead:\n" + "\n".join(found)
+
+
+def test_the_check_catches_a_name_comparison(tmp_path):
+    """The check above can fail: branches of the old kind are found."""
+    bad = tmp_path / "x.py"
+    bad.write_text('if cfg.optimizer.optimizer in ("muon_md", "manifold_muon"):\n    pass\n'
+                   'if o.optimizer.endswith("_md"):\n    pass\n'
+                   'use = o.optimizer != "adam"\n')
+    assert len(_name_comparisons(bad, tmp_path)) == 3
+
+
+def test_every_optimizer_choice_has_a_family_and_a_description():
+    assert list(FIELDS["optimizer"][1].metadata["choices"]) == list(FAMILIES)
+    assert set(descriptions()) == set(FAMILIES) and all(descriptions().values())
+    assert set(MD_OPTIMIZERS) == {n for n, f in FAMILIES.items() if f is FAMILIES["muon_md"]}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_family_applies_its_recipe_and_nothing_else(name):
+    cfg = resolve("tiny-dense", None, {"optimizer": name})
+    for key, value in family_of(cfg).recipe.items():
+        assert getattr(cfg.optimizer, key) == value
+    explicit = resolve("tiny-dense", None, {"optimizer": name, "weight_decay": 0.05})
+    assert explicit.optimizer.weight_decay == 0.05  # a flag the user typed wins over the recipe
+
+
+def test_importing_the_registry_imports_neither_torch_nor_megatron():
+    """--help and `megatron-md plan` import the families; they must stay fast."""
+    code = ("import sys; import megatron_md.mcore.families, megatron_md.training.config; "
+            "print(any(m == 'torch' or m.startswith('megatron.') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
