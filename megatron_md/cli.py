@@ -92,6 +92,9 @@ def cmd_train(argv: list[str]) -> int:
         nproc = cfg.training.nproc_per_node
         world = int(os.environ.get("WORLD_SIZE", nproc))
         validate_config(cfg, world)
+        from megatron_md.training.resume_check import check_checkpoint_fits
+
+        check_checkpoint_fits(cfg)  # a checkpoint of another model is refused here, by flag
         if cfg.data.data_path and not cfg.data.mock_data:
             from megatron_md.training.data import validate_data
 

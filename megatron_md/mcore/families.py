@@ -252,11 +252,6 @@ class ManifoldFamily(_EngineFamily):
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
         o = cfg.optimizer
-        for name in ("manifold_dual_steps", "manifold_msign_steps", "manifold_fast_dual_steps",
-                     "manifold_fast_msign_steps"):
-            need(getattr(o, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("manifold_dual_lr", "manifold_fast_dual_lr"):
-            need(getattr(o, name) > 0, f"--{name.replace('_', '-')} must be > 0")
         self._tp_mode_check(cfg, need)
         need(o.md_ns_coefficients == "quintic" or "md" in o.geometry,
              "--md-ns-coefficients applies to MD groups only and --geometry "

@@ -14,13 +14,9 @@ import re
 from dataclasses import dataclass
 
 import torch
-from megatron.core.optimizer.emerging_optimizers import (
-    _EMERGING_OPTIMIZERS,
-    EmergingOptimizerEntry,
-    _eopt_init_state_fn,
-)
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
+from megatron_md.mcore import compat
 from megatron_md.mcore.md_optimizer import (
     MDOptimizerConfig,
     MegatronMD,
@@ -118,15 +114,14 @@ class MegatronManifoldMuon(MegatronMD):
                 if not self.lazy_state:
                     self._init_mm_state(p, hp)
 
+    def md_groups(self) -> list[dict]:
+        """MD's step and reset run on the MD and AdamW-base groups; the manifold groups are stepped below."""
+        return [g for g in self.param_groups if not _is_manifold_group(g)]
+
     @torch.no_grad()
     def reset_from_weights(self) -> None:
-        everything = self.param_groups
-        self.param_groups = [g for g in everything if not _is_manifold_group(g)]
-        try:
-            super().reset_from_weights()
-        finally:
-            self.param_groups = everything
-        for group in everything:
+        super().reset_from_weights()
+        for group in self.param_groups:
             if _is_manifold_group(group):
                 hp = ManifoldHyperParams.from_group(group)
                 for p in group["params"]:
@@ -145,14 +140,9 @@ class MegatronManifoldMuon(MegatronMD):
 
     @torch.no_grad()
     def step(self, closure=None):
-        everything = self.param_groups
-        self.param_groups = [g for g in everything if not _is_manifold_group(g)]
-        try:
-            super().step(closure)
-        finally:
-            self.param_groups = everything
+        loss = super().step(closure)  # the MD and AdamW-base groups (md_groups)
         duplicated, pending = self.ns["tp_mode"] == "duplicated", []
-        for group in everything:
+        for group in self.param_groups:
             if not _is_manifold_group(group):
                 continue
             hp = ManifoldHyperParams.from_group(group)
@@ -173,6 +163,7 @@ class MegatronManifoldMuon(MegatronMD):
                     pending += submit_manifold_steps(items, geo_hp, self.ortho_engine)
         self.ortho_engine.run()  # every manifold group's matrices in one run
         finish_manifold_steps(pending)
+        return loss
 
     def state_dict(self):
         sd = super().state_dict()
@@ -254,14 +245,8 @@ def _config_to_kwargs(config, model_chunks, pg_collection):
 def register(config: ManifoldOptimizerConfig) -> GeometryPolicy:
     policy = build_policy(config)
     to_adamw = routes_to_adamw(policy)
-    _EMERGING_OPTIMIZERS["manifold_muon"] = EmergingOptimizerEntry(
-        optimizer_cls=MegatronManifoldMuon,
-        init_state_fn=_eopt_init_state_fn,
-        config_to_kwargs=_config_to_kwargs,
-        default_param_overrides={
-            ParamKey(predicate=ParamPredicate(name="mm_adamw", fn=to_adamw)): {"optimizer": "adam"}
-        },
-    )
+    compat.register_optimizer("manifold_muon", MegatronManifoldMuon, _config_to_kwargs,
+                              {ParamKey(predicate=ParamPredicate(name="mm_adamw", fn=to_adamw)): {"optimizer": "adam"}})
     return policy
 
 

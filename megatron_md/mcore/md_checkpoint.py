@@ -17,7 +17,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.utils import unwrap_model
 
-from megatron_md.mcore import naming
+from megatron_md.mcore import compat, naming
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
 from megatron_md.mcore.optimizer_checkpoint import children
 from megatron_md.optim.bases import SoapBase
@@ -33,6 +33,7 @@ def tag_md_params(model) -> None:
     SequentialMLP's ``local_experts.{n}`` and TEGroupedMLP's ``linear_fc{1,2}.weight{n}`` both
     become ``local_experts.{ep_rank * local + n}.linear_fc{1,2}.weight`` (``mcore/naming.py``).
     """
+    compat.install()  # so that megatron's bf16 master params keep these tags
     gpt = unwrap_model(model)
     layers = getattr(getattr(gpt, "decoder", None), "layers", [])
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -175,8 +176,7 @@ def sync_model_params(optimizer) -> None:
     projects only the matrices it owns, so the others must be broadcast (found by a layout test).
     """
     for o, _ in md_wrappers(optimizer):
-        if hasattr(o, "_copy_main_params_to_model_params"):
-            o._copy_main_params_to_model_params()
+        compat.copy_main_params_to_model_params(o)
     stack = [optimizer]
     while stack:
         o = stack.pop()

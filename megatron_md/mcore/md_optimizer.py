@@ -20,15 +20,9 @@ from typing import Optional
 
 import torch
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer.emerging_optimizers import (
-    _EMERGING_OPTIMIZERS,
-    EmergingOptimizerEntry,
-    _eopt_init_state_fn,
-)
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
-from megatron.core.tensor_parallel import layers as tp_layers
 
-from megatron_md.mcore import naming
+from megatron_md.mcore import compat, naming
 from megatron_md.mcore.families import MD_OPTIMIZERS
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
@@ -41,10 +35,6 @@ GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES for k in ("rho", "exp_avg", "exp_av
 # state that does not have its parameter's shape: megatron's checkpoint cannot hold it (md_checkpoint.py does)
 SIDE_KEYS = GAIN_KEYS + tuple(k for b in BASES.values() for k in b.side_state)
 
-# Attributes our tagging sets on model params; registered so megatron copies them onto the fp32
-# master params it makes for bf16 training (only keys of this dict survive that copy).
-for _attr, _default in (("md_key", None), ("md_swiglu", False)):
-    tp_layers._MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.setdefault(_attr, _default)
 
 
 @dataclass
@@ -180,7 +170,7 @@ class MegatronMD(MDOptimizer):
     @torch.no_grad()
     def reset_from_weights(self) -> None:
         """Fresh state for weights loaded without it: gains 1, directions projected on their spheres."""
-        for group in self.param_groups:
+        for group in self.md_groups():
             hp = MDHyperParams.from_group(group)
             for p in group["params"]:
                 self.state[p].clear()
@@ -264,12 +254,7 @@ def register(config: MDOptimizerConfig | None = None) -> None:
     config = config or MDOptimizerConfig()
     routed = ParamKey(predicate=ParamPredicate(name="md_adamw", fn=routes_to_adamw(config)))
     for name in MD_OPTIMIZERS:
-        _EMERGING_OPTIMIZERS[name] = EmergingOptimizerEntry(
-            optimizer_cls=MegatronMD,
-            init_state_fn=_eopt_init_state_fn,
-            config_to_kwargs=_config_to_kwargs,
-            default_param_overrides={routed: {"optimizer": "adam"}},
-        )
+        compat.register_optimizer(name, MegatronMD, _config_to_kwargs, {routed: {"optimizer": "adam"}})
 
 
 def md_param_overrides(config: MDOptimizerConfig) -> dict:

@@ -95,6 +95,11 @@ class MDOptimizer(torch.optim.Optimizer):
         return blocks
 
     # --- step ------------------------------------------------------------------------------------
+    def md_groups(self) -> list[dict]:
+        """The param groups the MD step runs on: all of them here; a subclass that steps some groups its own
+        way (Manifold Muon's manifold groups) narrows this."""
+        return self.param_groups
+
     def prepare_group(self, group: dict) -> None:
         """Hook run on each param group before its step (e.g. a schedule for extra group options)."""
 
@@ -118,7 +123,7 @@ class MDOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         waiting = []
-        for group in self.param_groups:
+        for group in self.md_groups():
             self.prepare_group(group)
             hp = MDHyperParams.from_group(group)
             base = self.base_for(hp)
