@@ -73,3 +73,37 @@ def test_importing_the_registry_imports_neither_torch_nor_megatron():
             "print(any(m == 'torch' or m.startswith('megatron.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_every_config_knob_is_one_field_and_one_flag():
+    """The train parser's flags are exactly the config fields (booleans also get --no-...), each declared once."""
+    from megatron_md.training.arguments import train_parser
+    from megatron_md.training.config import SECTIONS
+
+    declared = [f.name for klass in SECTIONS.values() for f in __import__("dataclasses").fields(klass)]
+    assert len(declared) == len(set(declared)) == len(FIELDS)
+    parser = train_parser()
+    dests = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
+    extra = dests - set(FIELDS)
+    assert set(FIELDS) <= dests, sorted(set(FIELDS) - dests)
+    assert extra <= {"config", "model"}, sorted(extra)  # the two flags that are not settings: --config, --model
+
+
+def test_policy_hooks_save_and_restore_the_auto_switches():
+    """Manifold Muon's run hooks: switches made before a save are restored (and logged) after a resume."""
+    from types import SimpleNamespace
+
+    from megatron_md.mcore.families import PolicyHooks, RunHooks
+    from megatron_md.optim.policy import AutoPolicy
+
+    no_manifold_optimizer = SimpleNamespace()  # the switches are recorded by the policy; none to apply here
+
+    assert RunHooks().state_dict() is None and RunHooks().load_state_dict({"x": 1}, None) == []
+    before = PolicyHooks(AutoPolicy("all-dgram", sigma_max_threshold=2.0))
+    assert before.observe(no_manifold_optimizer, {"diag/L0.attention.qkv/sigma_max": 1.0}) == []
+    switched = before.observe(no_manifold_optimizer, {"diag/L0.attention.qkv/sigma_max": 3.0})
+    assert switched == ["auto-geometry: layer 0 attention.qkv: dgram -> stiefel (sigma_max 3 > 2)"]
+    after = PolicyHooks(AutoPolicy("all-dgram", sigma_max_threshold=2.0))
+    assert after.load_state_dict(before.state_dict(), no_manifold_optimizer) == [f"(restored) {switched[0]}"]
+    assert after.policy.assign("attention.qkv", 0).geometry == "stiefel"
+    assert after.policy.assign("attention.qkv", 1).geometry == "dgram"
