@@ -5,19 +5,11 @@ Pure torch (no megatron, no torch.distributed): tensor-parallel glue plugs in th
 ``MDOptimizer.reducer_for`` / ``orthogonalizer_for``.
 """
 
-from .md import (
-    AdamBase,
-    BaseUpdate,
-    MDHyperParams,
-    MuonBase,
-    Reducer,
-    gain_param,
-    md_step_,
-    project_,
-    qkv_row_index,
-)
+from .md import MDHyperParams, gain_param, md_step_
+from .blocks import qkv_row_index
+from .sphere import Reducer, project_
 from .msign import msign, scale_factor
-from .bases import BASES, LionBase, SoapBase
+from .bases import BASES, AdamBase, BaseUpdate, LionBase, MuonBase, SoapBase
 from .muon_md import AdamMD, LionMD, MDOptimizer, MuonMD, SoapMD
 from . import manifolds
 from .manifold_muon import ManifoldHyperParams, ManifoldMuon, manifold_step_

@@ -1,8 +1,9 @@
-"""More base updates for MD decoupling, beside ``md.MuonBase`` and ``md.AdamBase``: Lion and SOAP.
+"""The base updates of MD decoupling: the protocol (``BaseUpdate``) and Muon, Adam, Lion and SOAP.
 
-A base turns the direction gradient Ĝ into the update U of ``Ŵ <- Π(Ŵ - lr·U)`` (``md.BaseUpdate``). The MD
-paper's research branch ran Lion among its bases; SOAP comes from NVIDIA's emerging-optimizers (its Kronecker
-factors, eigenbasis refresh and projections), the optimizer family megatron-core's own Muon is taken from.
+A base turns the direction gradient Ĝ into the update U of ``Ŵ <- Π(Ŵ - lr·U)``; ``md.py`` runs it inside the MD
+step. Muon and Adam are the MD paper's bases; its research branch ran Lion among them; SOAP comes from NVIDIA's
+emerging-optimizers (its Kronecker factors, eigenbasis refresh and projections), the optimizer family
+megatron-core's own Muon is taken from.
 """
 
 from __future__ import annotations
@@ -12,9 +13,78 @@ from typing import Sequence
 
 import torch
 
-from .adam import adam_direction
+from .adam import adam_direction, adam_moments_and_denominator, adam_step_size
 from .blocks import Block, add_block_, get_block
-from .md import AdamBase, BaseUpdate, MDHyperParams, MuonBase
+from .md import MDHyperParams
+from .msign import scale_factor
+
+
+class BaseUpdate:
+    """Turns the direction gradient Ĝ into an update U, applied as ``Ŵ <- Π(Ŵ - lr·U)``.
+
+    In phases: ``direction`` (state update, may reuse Ĝ's memory), then, when ``orthogonalizes``, every block of
+    the direction goes through msign elsewhere (an engine may batch it across matrices and ranks), then
+    ``descend_`` subtracts ``lr·U`` from Ŵ.
+    """
+
+    orthogonalizes = False
+    writes_direction_grad = False  # True: ``direction`` may overwrite Ĝ (the caller then hands it a copy)
+    has_step = False  # True: keeps its own step counter in ``state["step"]`` (bias corrections)
+    side_state: tuple[str, ...] = ()  # state entries not shaped like the parameter (checkpointed separately)
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        raise NotImplementedError
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``scratch``: a matrix-sized buffer the base may use for its result (or None)."""
+        raise NotImplementedError
+
+    def descend_(self, W_hat: torch.Tensor, direction: torch.Tensor, state: dict, hp: MDHyperParams,
+                 blocks: Sequence[Block], orthogonalized: Sequence[torch.Tensor] | None) -> None:
+        raise NotImplementedError
+
+
+class MuonBase(BaseUpdate):
+    """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (docs/optimizers.md §1.5)."""
+
+    orthogonalizes = True
+    writes_direction_grad = True  # Nesterov's lerp runs in Ĝ's memory
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        buf = state["momentum_buffer"]
+        buf.lerp_(g_hat, 1.0 - hp.momentum)
+        return g_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+        for blk, O in zip(blocks, orthogonalized):
+            add_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
+
+
+class AdamBase(BaseUpdate):
+    """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, docs/optimizers.md §1.5)."""
+
+    has_step = True
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["step"] = torch.tensor(0.0)
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Moments updated; returns the denominator (in ``scratch`` if given): ``descend_`` divides the momentum
+        by it. Ĝ is only read."""
+        state["step"] += 1
+        return adam_moments_and_denominator(g_hat, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
+                                            hp.betas, hp.eps, out=scratch)
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+        W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
 
 
 def sign_scale(block_shape: tuple[int, int]) -> float:

@@ -50,7 +50,7 @@ def matrix_blocks(
     reducer: Any = None,
     device: torch.device | str | None = None,
 ) -> list[Block]:
-    """The blocks of a (local) matrix; ``reducer.global_shape`` (``md.Reducer``) gives a TP shard's global
+    """The blocks of a (local) matrix; ``reducer.global_shape`` (``sphere.Reducer``) gives a TP shard's global
     block shapes."""
     m, n = local_shape
     glob = reducer.global_shape if reducer is not None else (lambda shape: (int(shape[0]), int(shape[1])))

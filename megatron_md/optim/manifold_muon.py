@@ -27,7 +27,8 @@ from typing import Any, Iterable
 import torch
 
 from .manifolds import MANIFOLDS, init_on_manifold, is_wide, manifold_muon, manifold_muon_fast, polar_express
-from .md import matrix_params, qkv_row_index
+from .blocks import qkv_row_index
+from .md import matrix_params
 
 MODES = ("faithful", "fast")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}

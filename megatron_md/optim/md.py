@@ -1,7 +1,8 @@
-"""Magnitude-Direction (MD) decoupling mathematics, shared by MuonMD and AdamMD (docs/optimizers.md §1).
+"""Magnitude-Direction (MD) decoupling mathematics, shared by the MD optimizers (docs/optimizers.md §1).
 
 A managed matrix is stored fused, ``W = diag(γ_r) · Ŵ · diag(γ_c)``: the direction ``Ŵ`` lives on a sphere,
-the gains ``γ = φ(ρ)`` live in optimizer state. One step (``md_step_``) follows §1.4 in order.
+the gains ``γ = φ(ρ)`` live in optimizer state. One step (``md_step_``) follows §1.4 in order; the base
+update that turns the direction gradient into a step (Muon, Adam, Lion, SOAP) is passed in (``bases.py``).
 
 Options of the authors' code (docs/optimizers.md §1.2-1.4): gains per row and column, per row, per column, one per matrix
 (``flat``) or ``embed`` (row gains, column gains on out-projections); parametrisations softplus / direct /
@@ -18,42 +19,25 @@ process groups.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .adam import adam_, adam_direction, adam_moments_and_denominator, adam_step_size  # noqa: F401 (re-export)
-from .blocks import (  # noqa: F401 (qkv_row_index re-exported: callers import it from md)
-    Block,
-    add_block_,
-    block_view,
-    get_block,
-    matrix_blocks,
-    qkv_row_index,
-    set_block_,
-)
+from .adam import adam_
+from .blocks import Block, get_block, matrix_blocks
 from .msign import msign, scale_factor
-from .sphere import (  # noqa: F401 (re-exported: the sphere used to live here)
-    LOCAL_REDUCER,
-    Reducer,
-    blocks_sphere_scale,
-    flat_radius,
-    project_,
-    project_blocks_,
-    sphere_scale,
-    tangent_,
-)
+from .sphere import LOCAL_REDUCER, Reducer, blocks_sphere_scale, project_blocks_, tangent_
+
+if TYPE_CHECKING:  # bases.py imports MDHyperParams from here at run time
+    from .bases import BaseUpdate
 
 MaybeTensor = torch.Tensor | None
 SPHERES = ("flat", "row", "col", "embed")
 GAIN_MODES = ("rowcol", "row", "col", "flat", "embed", "none")
 GAIN_AXES = ("row", "col", "flat")  # state keys rho_<axis>, exp_avg_<axis>, exp_avg_sq_<axis>
 DIRECTION_CLAMP = 1e-8  # floor of each gain when undoing the gains
-
-
 
 
 def matrix_params(param_group: dict, owner: str) -> list[torch.Tensor]:
@@ -202,10 +186,11 @@ def _scaled(t: torch.Tensor, row: MaybeTensor, col: MaybeTensor, out: torch.Tens
     return res.mul_(second) if second is not None else res
 
 
-def recover_direction(W: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
-    """Ŵ = W ⊘ (γ_r γ_cᵀ) (each gain floored at 1e-8); always a new tensor."""
+def recover_direction(W: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Ŵ = W ⊘ (γ_r γ_cᵀ) (each gain floored at 1e-8); a new tensor unless ``out`` is given."""
     inv = [None if g is None else g.clamp_min(DIRECTION_CLAMP).reciprocal() for g in (g_row, g_col)]
-    return _scaled(W, *inv)
+    return _scaled(W, *inv, out=out)
 
 
 def gain_grads(
@@ -240,108 +225,10 @@ def gain_grads_fused(
     return d_row, d_col, GW
 
 
-def direction_grad(G: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
-    """Ĝ = ∂L/∂Ŵ = G ⊙ (γ_r γ_cᵀ); always a new tensor."""
-    return _scaled(G, g_row, g_col)
-
-
-def refuse(W_hat: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
-    """W = diag(γ_r) · Ŵ · diag(γ_c)."""
-    return W_hat if g_row is None and g_col is None else _scaled(W_hat, g_row, g_col)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Base updates on the direction gradient Ĝ (pluggable: Lion, SOAP, ... implement the same protocol)
-
-Orthogonalize = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
-
-
-@dataclass
-class MatrixLayout:
-    """What a base update may need beyond Ĝ: the blocks and how to orthogonalise one (TP glue overrides).
-
-    ``orthogonalize(U_block, global_block_shape)`` returns a NEW tensor ≈ msign(U_block), unscaled.
-    """
-
-    blocks: list[Block]
-    orthogonalize: Orthogonalize
-
-
-class BaseUpdate:
-    """Turns the direction gradient Ĝ into an update U, applied as ``Ŵ <- Π(Ŵ - lr·U)``.
-
-    In phases: ``direction`` (state update, may reuse Ĝ's memory), then, when ``orthogonalizes``, every block of
-    the direction goes through msign elsewhere (an engine may batch it across matrices and ranks), then
-    ``descend_`` subtracts ``lr·U`` from Ŵ. ``update`` runs the three in one go. More bases: ``bases.py``.
-    """
-
-    orthogonalizes = False
-    writes_direction_grad = False  # True: ``direction`` may overwrite Ĝ (the caller then hands it a copy)
-    has_step = False  # True: keeps its own step counter in ``state["step"]`` (bias corrections)
-    side_state: tuple[str, ...] = ()  # state entries not shaped like the parameter (checkpointed separately)
-
-    def init_state(self, p: torch.Tensor, state: dict) -> None:
-        raise NotImplementedError
-
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
-                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """``scratch``: a matrix-sized buffer the base may use for its result (or None)."""
-        raise NotImplementedError
-
-    def descend_(self, W_hat: torch.Tensor, direction: torch.Tensor, state: dict, hp: MDHyperParams,
-                 blocks: Sequence[Block], orthogonalized: Sequence[torch.Tensor] | None) -> None:
-        raise NotImplementedError
-
-    def update(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams, layout: MatrixLayout) -> torch.Tensor:
-        """The update U itself (a new tensor): ``descend_`` on zeros, negated."""
-        d = self.direction(g_hat.clone(), state, hp, None)
-        orth = ([layout.orthogonalize(get_block(d, b), b.shape) for b in layout.blocks]
-                if self.orthogonalizes else None)
-        out = torch.zeros_like(d)
-        self.descend_(out, d, state, dataclasses.replace(hp, lr=-1.0), layout.blocks, orth)
-        return out
-
-
-class MuonBase(BaseUpdate):
-    """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (docs/optimizers.md §1.5)."""
-
-    orthogonalizes = True
-    writes_direction_grad = True  # Nesterov's lerp runs in Ĝ's memory
-
-    def init_state(self, p: torch.Tensor, state: dict) -> None:
-        state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
-                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-        buf = state["momentum_buffer"]
-        buf.lerp_(g_hat, 1.0 - hp.momentum)
-        return g_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
-
-    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
-        for blk, O in zip(blocks, orthogonalized):
-            add_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
-
-
-class AdamBase(BaseUpdate):
-    """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, docs/optimizers.md §1.5)."""
-
-    has_step = True
-
-    def init_state(self, p: torch.Tensor, state: dict) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        state["step"] = torch.tensor(0.0)
-
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
-                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """Moments updated; returns the denominator (in ``scratch`` if given): ``descend_`` divides the momentum
-        by it. Ĝ is only read."""
-        state["step"] += 1
-        return adam_moments_and_denominator(g_hat, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-                                            hp.betas, hp.eps, out=scratch)
-
-    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
-        W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
+def direction_grad(G: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Ĝ = ∂L/∂Ŵ = G ⊙ (γ_r γ_cᵀ); a new tensor unless ``out`` is given."""
+    return _scaled(G, g_row, g_col, out=out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -404,6 +291,10 @@ def preserved_gains(W: torch.Tensor, blocks: list[Block], hp: MDHyperParams,
     return (inv.reshape(-1), None) if axis == "row" else (None, inv.reshape(-1))
 
 
+# ``(U_block, global_block_shape) -> msign(U_block)``, a new tensor, unscaled; TP glue supplies its own.
+Orthogonalize = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
+
+
 def default_orthogonalize(hp: MDHyperParams) -> Orthogonalize:
     return lambda U, block_shape: msign(U, steps=hp.ns_steps, coefficients=hp.ns_coefficients)
 
@@ -448,7 +339,7 @@ def md_prepare(
     # Ĝ in the gain product's buffer; without gains it is G itself, copied only for a base that writes in
     # it. Fresh big allocations cost as much as a pass on CPU (page faults): at most one per matrix.
     if work is not None:
-        G_hat = scratch = _scaled(G, g_row, g_col, out=work)
+        G_hat = scratch = direction_grad(G, g_row, g_col, out=work)
     else:
         G_hat = G.clone() if base.writes_direction_grad or (hp.tangent_grad and G is grad) else G
         scratch = G_hat if G_hat is not G else None
@@ -467,8 +358,7 @@ def md_finish_(
     gp = gain_param(hp.gain_param, hp.gmin)
     g_row, g_col = current_gains(state, hp)
     if p.dtype == torch.float32:  # Ŵ recovered in place: p is rewritten at the end anyway
-        inv = [None if g is None else g.clamp_min(DIRECTION_CLAMP).reciprocal() for g in (g_row, g_col)]
-        W_hat = p if g_row is None and g_col is None else _scaled(p, *inv, out=p)
+        W_hat = p if g_row is None and g_col is None else recover_direction(p, g_row, g_col, out=p)
     else:
         W_hat = recover_direction(p.to(torch.float32), g_row, g_col)
     if hp.weight_decay:

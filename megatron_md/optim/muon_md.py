@@ -1,6 +1,7 @@
-"""MuonMD and AdamMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py`` (docs/optimizers.md §1).
+"""MuonMD, AdamMD, LionMD and SoapMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py``
+and a base update of ``bases.py`` (docs/optimizers.md §1).
 
-Both project every managed matrix onto its sphere at construction and start the gains at exactly 1,
+Each projects every managed matrix onto its sphere at construction and starts the gains at exactly 1,
 so the first forward equals the projected model's. 1-D parameters (norm gains, biases) are refused:
 they belong in a plain AdamW beside this optimizer.
 
@@ -15,32 +16,27 @@ from typing import Any, Iterable
 
 import torch
 
-from .bases import LionBase, SoapBase
+from .bases import AdamBase, BaseUpdate, LionBase, MuonBase, SoapBase
+from .blocks import Block, matrix_blocks
 from .md import (
-    LOCAL_REDUCER,
-    AdamBase,
-    BaseUpdate,
-    Block,
     MDHyperParams,
-    MuonBase,
     Orthogonalize,
-    Reducer,
     current_gains,
     default_orthogonalize,
     init_md_state,
-    matrix_blocks,
     matrix_params,
     md_finish_,
     md_prepare,
     preserved_gains,
-    project_blocks_,
     recover_direction,
     resolve_split_shapes,
 )
+from .sphere import LOCAL_REDUCER, Reducer, project_blocks_
 
 
 class MDOptimizer(torch.optim.Optimizer):
-    """MD decoupling around a pluggable base update (``MuonBase``, ``AdamBase``, later Lion/SOAP...)."""
+    """MD decoupling around a pluggable base update (``bases.py``: ``MuonBase``, ``AdamBase``, ``LionBase``,
+    ``SoapBase``)."""
 
     # False: every matrix gets its state at construction. A subclass whose param groups are narrowed
     # after construction (a distributed optimizer handing each rank the matrices it owns) sets True:

@@ -360,7 +360,7 @@ def test_qkv_split_read_from_param_attribute():
 def test_sphere_norms_are_accurate_on_big_matrices(mode):
     """fp32 vector_norm over a whole CPU matrix accumulates naively (5e-3 relative off at 131072x512);
     the projection must land on its sphere to fp32 accuracy at the real embedding/LM-head size."""
-    from megatron_md.optim.md import project_
+    from megatron_md.optim.sphere import project_
 
     torch.manual_seed(0)
     W = project_(torch.randn(131072, 512), mode)
