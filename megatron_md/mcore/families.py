@@ -60,7 +60,7 @@ class OptimizerFamily:
         if not self.holds_md_groups:
             o = cfg.optimizer
             for flag in ("md_preserve_init", "md_tangent_grad", "md_normalize_update"):
-                need(not getattr(o, flag), f"--{flag.replace('_', '-')} is an MD option; it needs --optimizer "
+                need(not getattr(o.md, flag), f"--{flag.replace('_', '-')} is an MD option; it needs --optimizer "
                      f"{', '.join(MDFamily.names)} (or manifold_muon with MD groups), not {name}")
 
     def routing(self, cfg) -> Callable:
@@ -104,7 +104,7 @@ class MuonFamily(OptimizerFamily):
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
-        need(cfg.optimizer.muon_tp_mode != "layer_sharded",
+        need(cfg.optimizer.muon.muon_tp_mode != "layer_sharded",
              "--muon-tp-mode layer_sharded is MD's and Manifold Muon's engine; megatron-core 0.19's muon takes "
              "duplicated, distributed or blockwise")
 
@@ -114,7 +114,7 @@ class MuonFamily(OptimizerFamily):
     def ns_work(self, cfg, role: str):
         if role in ("embedding", "head"):
             return None
-        return 1, cfg.optimizer.muon_num_ns_steps, True  # megatron's Muon: the fused QKV matrix
+        return 1, cfg.optimizer.muon.muon_num_ns_steps, True  # megatron's Muon: the fused QKV matrix
 
 
 class _EngineFamily(OptimizerFamily):
@@ -122,26 +122,27 @@ class _EngineFamily(OptimizerFamily):
 
     keeps_weights_on_manifolds = True
     holds_md_groups = True
+    sections = ("md", "lion", "soap")  # OptimConfig sections the megatron config carries (family_configs.py)
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
         o, name = cfg.optimizer, cfg.optimizer.optimizer
-        need(o.muon_scale_mode == "spectral",
+        need(o.muon.muon_scale_mode == "spectral",
              f"--muon-scale-mode is megatron Muon's; {name} scales its update with --md-scale-mode")
-        need(o.muon_extra_scale_factor == 1.0,
+        need(o.muon.muon_extra_scale_factor == 1.0,
              f"--muon-extra-scale-factor is megatron Muon's; {name} has no extra update scale (its LR sets "
              "the step: --matrix-lr)")
-        if o.md_preserve_init:
-            sphere = "row" if o.md_sphere == "embed" else o.md_sphere
+        if o.md.md_preserve_init:
+            sphere = "row" if o.md.md_sphere == "embed" else o.md.md_sphere
             holds = {"flat": ("rowcol", "row", "col", "flat", "embed"), "row": ("rowcol", "row", "embed"),
                      "col": ("rowcol", "col")}[sphere]
-            need(o.md_gains in holds, f"--md-preserve-init keeps the initial norms in the gains, and on the "
-                 f"{o.md_sphere} sphere that needs --md-gains {' or '.join(holds)} (got {o.md_gains})")
+            need(o.md.md_gains in holds, f"--md-preserve-init keeps the initial norms in the gains, and on the "
+                 f"{o.md.md_sphere} sphere that needs --md-gains {' or '.join(holds)} (got {o.md.md_gains})")
 
     def _tp_mode_check(self, cfg, need) -> None:
         o = cfg.optimizer
-        need(o.muon_tp_mode in ("auto", "layer_sharded", "duplicated"),
-             f"--muon-tp-mode {o.muon_tp_mode} is megatron Muon's; {o.optimizer} orthogonalises whole matrices: "
+        need(o.muon.muon_tp_mode in ("auto", "layer_sharded", "duplicated"),
+             f"--muon-tp-mode {o.muon.muon_tp_mode} is megatron Muon's; {o.optimizer} orthogonalises whole matrices: "
              "use layer_sharded (default) or duplicated")
 
     def routing(self, cfg) -> Callable:
@@ -151,16 +152,20 @@ class _EngineFamily(OptimizerFamily):
     def _routes_to_adamw(self, cfg) -> Callable:
         raise NotImplementedError
 
+    def _sections(self, cfg) -> dict:
+        """The family's typed config sections, handed on whole (the run's MD section becomes the megatron config's, the same object)."""
+        return {name: getattr(cfg.optimizer, name) for name in self.sections}
+
     def _md_assignment(self, cfg, role: str, base: str) -> Assignment:
         o = cfg.optimizer
         if role == "embedding":
-            return Assignment("md", "adam", "none") if o.md_embedding_sphere != "none" else Assignment("base", "adam")
+            return Assignment("md", "adam", "none") if o.md.md_embedding_sphere != "none" else Assignment("base", "adam")
         if role == "head":
-            return (Assignment("md", "adam", o.md_output_gains) if o.md_output_sphere != "none"
+            return (Assignment("md", "adam", o.md.md_output_gains) if o.md.md_output_sphere != "none"
                     else Assignment("base", "adam"))
         if role == "router":
-            return Assignment("md", "muon", o.md_gains)
-        return Assignment("md", base, o.md_gains)
+            return Assignment("md", "muon", o.md.md_gains)
+        return Assignment("md", base, o.md.md_gains)
 
 
 class MDFamily(_EngineFamily):
@@ -191,13 +196,13 @@ class MDFamily(_EngineFamily):
     def _config(self, cfg, common: dict):
         from megatron_md.mcore import md_optimizer as mdo
 
-        return mdo.MDOptimizerConfig(**common, **mdo.optimizer_config_kwargs(cfg.optimizer, self.base(cfg)),
+        return mdo.MDOptimizerConfig(**common, **self._sections(cfg), md_base=self.base(cfg),
                                      md_num_layers=cfg.model.num_layers)
 
     def _routes_to_adamw(self, cfg) -> Callable:
         from megatron_md.mcore import md_optimizer as mdo
 
-        return mdo.routes_to_adamw(mdo.MDOptimizerConfig(**mdo.optimizer_config_kwargs(cfg.optimizer, self.base(cfg))))
+        return mdo.routes_to_adamw(mdo.MDOptimizerConfig(**self._sections(cfg), md_base=self.base(cfg)))
 
     def build(self, cfg, common: dict, ddp_model):
         from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
@@ -216,7 +221,7 @@ class MDFamily(_EngineFamily):
         a = self.assign(cfg, role)
         if a.base != "muon" or role in ("embedding", "head"):
             return None
-        return 1, cfg.optimizer.muon_num_ns_steps, False  # Q, K and V blocks apart
+        return 1, cfg.optimizer.muon.muon_num_ns_steps, False  # Q, K and V blocks apart
 
 
 class PolicyHooks(RunHooks):
@@ -248,28 +253,28 @@ class PolicyHooks(RunHooks):
 
 class ManifoldFamily(_EngineFamily):
     names = {"manifold_muon": "module-wise Manifold Muon: each module's weights on the manifold --geometry gives it"}
+    sections = ("md", "lion", "soap", "manifold")
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
         o = cfg.optimizer
         self._tp_mode_check(cfg, need)
-        need(o.md_ns_coefficients == "quintic" or "md" in o.geometry,
+        need(o.md.md_ns_coefficients == "quintic" or "md" in o.manifold.geometry,
              "--md-ns-coefficients applies to MD groups only and --geometry "
-             f"{o.geometry} has none; Manifold Muon uses Polar Express (--manifold-msign-steps, "
+             f"{o.manifold.geometry} has none; Manifold Muon uses Polar Express (--manifold-msign-steps, "
              "--manifold-fast-msign-steps)")
-        need(o.muon_num_ns_steps == 5 or "md" in o.geometry,
+        need(o.muon.muon_num_ns_steps == 5 or "md" in o.manifold.geometry,
              "--muon-num-ns-steps applies to MD groups only and --geometry "
-             f"{o.geometry} has none; set --manifold-msign-steps / --manifold-fast-msign-steps instead")
-        need("embed" not in (o.md_sphere, o.md_gains) and not o.md_out_proj_radius,
+             f"{o.manifold.geometry} has none; set --manifold-msign-steps / --manifold-fast-msign-steps instead")
+        need("embed" not in (o.md.md_sphere, o.md.md_gains) and not o.md.md_out_proj_radius,
              "manifold_muon groups matrices by role, so out-projections cannot differ from the other hidden "
              "matrices: drop --md-sphere/--md-gains embed and --md-out-proj-radius, or use an MD optimizer")
 
     def _config(self, cfg, common: Optional[dict] = None):
-        from megatron_md.mcore import manifold_optimizer as mm, md_optimizer as mdo
+        from megatron_md.mcore import manifold_optimizer as mm
 
         extra = {"md_num_layers": cfg.model.num_layers} if common is not None else {}
-        return mm.ManifoldOptimizerConfig(**(common or {}), **mdo.optimizer_config_kwargs(cfg.optimizer, "muon"),
-                                          **mm.manifold_config_kwargs(cfg.optimizer), **extra)
+        return mm.ManifoldOptimizerConfig(**(common or {}), **self._sections(cfg), md_base="muon", **extra)
 
     def _routes_to_adamw(self, cfg) -> Callable:
         from megatron_md.mcore import manifold_optimizer as mm
@@ -289,14 +294,14 @@ class ManifoldFamily(_EngineFamily):
     def _policy(self, cfg):
         from megatron_md.optim.policy import make_policy
 
-        return make_policy(cfg.optimizer.geometry)
+        return make_policy(cfg.optimizer.manifold.geometry)
 
     def assign(self, cfg, role: str) -> Assignment:
         from megatron_md.optim.policy import MANIFOLD_GEOMETRIES
 
         o, a = cfg.optimizer, self._policy(cfg).assign(role)
         if a.geometry == "md":
-            return Assignment("md", a.base, {"embedding": "none", "head": o.md_output_gains}.get(role, o.md_gains))
+            return Assignment("md", a.base, {"embedding": "none", "head": o.md.md_output_gains}.get(role, o.md.md_gains))
         if a.geometry in MANIFOLD_GEOMETRIES:
             return Assignment("manifold", "muon")
         return Assignment("base", a.base)
@@ -306,12 +311,12 @@ class ManifoldFamily(_EngineFamily):
 
         o, a = cfg.optimizer, self._policy(cfg).assign(role)
         if a.geometry in MANIFOLD_GEOMETRIES:
-            fast = o.manifold_mode == "fast"
-            steps = o.manifold_fast_msign_steps if fast else o.manifold_msign_steps
-            calls = (o.manifold_fast_dual_steps if fast else o.manifold_dual_steps) + 1
-            return calls, steps, not o.manifold_split_qkv
+            fast = o.manifold.manifold_mode == "fast"
+            steps = o.manifold.manifold_fast_msign_steps if fast else o.manifold.manifold_msign_steps
+            calls = (o.manifold.manifold_fast_dual_steps if fast else o.manifold.manifold_dual_steps) + 1
+            return calls, steps, not o.manifold.manifold_split_qkv
         if a.base == "muon":
-            return 1, o.muon_num_ns_steps, False
+            return 1, o.muon.muon_num_ns_steps, False
         return None
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
 from megatron_md.mcore import compat
+from megatron_md.mcore.family_configs import ManifoldConfig
 from megatron_md.mcore.md_optimizer import (
     MDOptimizerConfig,
     MegatronMD,
@@ -45,17 +46,9 @@ MM_STATE_KEYS = ("dual", "dual_q", "dual_k", "dual_v", "dual_violation", "dual_i
 
 @dataclass
 class ManifoldOptimizerConfig(MDOptimizerConfig):
-    geometry: str = "hetero"
-    manifold_mode: str = "fast"
-    manifold_dual_steps: int = 20
-    manifold_dual_lr: float = 0.1
-    manifold_msign_steps: int = 10
-    manifold_fast_dual_steps: int = 1
-    manifold_fast_dual_lr: float = 0.02
-    manifold_fast_msign_steps: int = 8
-    manifold_split_qkv: bool = False
-    geometry_auto_sigma_max: float | None = None
-    geometry_auto_logit: float | None = None
+    """MD's config (MD groups of a geometry) plus the manifold section."""
+
+    manifold: ManifoldConfig = field(default_factory=ManifoldConfig)
 
 
 def _is_manifold_group(group: dict) -> bool:
@@ -68,11 +61,11 @@ class MegatronManifoldMuon(MegatronMD):
 
     def __init__(self, params, config: ManifoldOptimizerConfig, pg_collection=None):
         self.mm_defaults = dict(
-            manifold="none", mode=config.manifold_mode, dual_steps=config.manifold_dual_steps,
-            dual_lr=config.manifold_dual_lr, tol=1e-6, msign_steps=config.manifold_msign_steps,
-            fast_dual_steps=config.manifold_fast_dual_steps, fast_dual_lr=config.manifold_fast_dual_lr,
-            fast_msign_steps=config.manifold_fast_msign_steps,
-            split_qkv=config.manifold_split_qkv,
+            manifold="none", mode=config.manifold.manifold_mode, dual_steps=config.manifold.manifold_dual_steps,
+            dual_lr=config.manifold.manifold_dual_lr, tol=1e-6, msign_steps=config.manifold.manifold_msign_steps,
+            fast_dual_steps=config.manifold.manifold_fast_dual_steps, fast_dual_lr=config.manifold.manifold_fast_dual_lr,
+            fast_msign_steps=config.manifold.manifold_fast_msign_steps,
+            split_qkv=config.manifold.manifold_split_qkv,
             msign_dtype="bf16" if ns_settings(config)["dtype"] == torch.bfloat16 else "fp32",
         )
         self.geometry_override: dict[str, str] = {}  # md_key -> geometry (auto policy switches)
@@ -191,12 +184,12 @@ def routes_to_adamw(policy: GeometryPolicy):
 
 def build_policy(config: ManifoldOptimizerConfig) -> GeometryPolicy:
     """``--geometry PRESET|RULES``, or ``auto:PRESET|RULES`` with the auto-switch thresholds."""
-    spec = config.geometry
+    spec = config.manifold.geometry
     if spec.startswith("auto:") or spec == "auto":
         base = spec.partition(":")[2] or "hetero"
-        if config.geometry_auto_sigma_max is None and config.geometry_auto_logit is None:
+        if config.manifold.geometry_auto_sigma_max is None and config.manifold.geometry_auto_logit is None:
             raise ValueError("--geometry auto needs --geometry-auto-sigma-max and/or --geometry-auto-logit")
-        return AutoPolicy(base, config.geometry_auto_sigma_max, config.geometry_auto_logit)
+        return AutoPolicy(base, config.manifold.geometry_auto_sigma_max, config.manifold.geometry_auto_logit)
     return make_policy(spec)
 
 
@@ -257,7 +250,7 @@ def manifold_param_overrides(config: ManifoldOptimizerConfig, policy: GeometryPo
         if not value.get("out_proj"):  # groups here are per role; validate.py refuses out-projection options
             md[value.get("md_role", "embedding")] = value
     lr, min_ratio = config.lr, (config.min_lr / config.lr if config.lr else 0.0)
-    matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
+    matrix_lr = config.md.matrix_lr if config.md.matrix_lr is not None else lr
     out = {}
     for role in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2", "experts.fc1", "experts.fc2",
                  "router", "embedding", "head"):
@@ -274,14 +267,3 @@ def manifold_param_overrides(config: ManifoldOptimizerConfig, policy: GeometryPo
             out[key] = {"max_lr": matrix_lr, "min_lr": matrix_lr * min_ratio, "manifold": a.geometry,
                         "md_role": "manifold", "is_decoupled_lr": f"mm:{role}"}
     return out
-
-
-def manifold_config_kwargs(o) -> dict:
-    return dict(
-        geometry=o.geometry, manifold_mode=o.manifold_mode, manifold_dual_steps=o.manifold_dual_steps,
-        manifold_dual_lr=o.manifold_dual_lr, manifold_msign_steps=o.manifold_msign_steps,
-        manifold_fast_dual_steps=o.manifold_fast_dual_steps, manifold_fast_dual_lr=o.manifold_fast_dual_lr,
-        manifold_fast_msign_steps=o.manifold_fast_msign_steps,
-        manifold_split_qkv=o.manifold_split_qkv, geometry_auto_sigma_max=o.geometry_auto_sigma_max,
-        geometry_auto_logit=o.geometry_auto_logit,
-    )

@@ -15,7 +15,7 @@ distributed optimizers. Routing (docs/optimizers.md §1.8):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -24,6 +24,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
 from megatron_md.mcore import compat, naming
 from megatron_md.mcore.families import MD_OPTIMIZERS
+from megatron_md.mcore.family_configs import LionConfig, MDConfig, SoapConfig
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
 from megatron_md.optim.md import GAIN_AXES, MDHyperParams
@@ -39,31 +40,13 @@ SIDE_KEYS = GAIN_KEYS + tuple(k for b in BASES.values() for k in b.side_state)
 
 @dataclass
 class MDOptimizerConfig(OptimizerConfig):
-    """megatron-core's OptimizerConfig plus the MD knobs (flags: training/config.py)."""
+    """megatron-core's OptimizerConfig plus MD's typed sections, handed on whole (flags: mcore/family_configs.py)."""
 
-    md_base: str = "muon"
-    matrix_lr: Optional[float] = None
-    embedding_lr: Optional[float] = None
-    gains_lr: float = 1e-3
-    md_sphere: str = "flat"
-    md_gains: str = "rowcol"
-    md_gain_param: str = "softplus"
-    md_scale_mode: str = "shape_up"
-    md_ns_coefficients: str = "quintic"
-    md_embedding_sphere: str = "row"
-    md_output_sphere: str = "row"
-    md_output_gains: str = "rowcol"
-    md_router_sphere: str = "row"
-    md_out_proj_radius: bool = False
-    md_num_layers: int = 1
-    md_ns_per_matrix: bool = False
-    md_compile: str = "auto"
-    md_preserve_init: bool = False
-    md_tangent_grad: bool = False
-    md_normalize_update: bool = False
-    lion_beta1: float = 0.9
-    lion_beta2: float = 0.99
-    soap_shampoo_beta: float = 0.95
+    md_base: str = "muon"  # the family's base update of hidden matrices
+    md_num_layers: int = 1  # for the 1/sqrt(2L) out-projection radius
+    md: MDConfig = field(default_factory=MDConfig)
+    lion: LionConfig = field(default_factory=LionConfig)
+    soap: SoapConfig = field(default_factory=SoapConfig)
 
 
 NS_TP_MODES = ("layer_sharded", "duplicated")
@@ -103,8 +86,8 @@ class MegatronMD(MDOptimizer):
     def __init__(self, params, config: MDOptimizerConfig, pg_collection=None):
         self.pg_collection = pg_collection
         self.ns = ns_settings(config)
-        adam.set_compile(config.md_compile)
-        self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md_ns_per_matrix)
+        adam.set_compile(config.md.md_compile)
+        self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md.md_ns_per_matrix)
         self._kernels: dict[tuple, object] = {}
         self._bases = {name: cls() for name, cls in BASES.items()}
         self._reducers: dict[int, ShardedReducer] = {}
@@ -117,15 +100,15 @@ class MegatronMD(MDOptimizer):
                                  "--expert-tensor-parallel-size 1) or another MD base")
         betas = (config.adam_beta1, config.adam_beta2)
         defaults = dict(
-            lr=config.lr, gains_lr=config.gains_lr, gains_max_lr=config.gains_lr,
+            lr=config.lr, gains_lr=config.md.gains_lr, gains_max_lr=config.md.gains_lr,
             momentum=config.muon_momentum, nesterov=config.muon_nesterov,
-            ns_steps=config.muon_num_ns_steps, ns_coefficients=config.md_ns_coefficients,
-            scale_mode=config.md_scale_mode, sphere=config.md_sphere, gains=config.md_gains,
-            gain_param=config.md_gain_param, weight_decay=config.weight_decay,
+            ns_steps=config.muon_num_ns_steps, ns_coefficients=config.md.md_ns_coefficients,
+            scale_mode=config.md.md_scale_mode, sphere=config.md.md_sphere, gains=config.md.md_gains,
+            gain_param=config.md.md_gain_param, weight_decay=config.weight_decay,
             gains_betas=betas, gains_eps=config.adam_eps, betas=betas, eps=config.adam_eps,
-            md_base=config.md_base, lion_betas=(config.lion_beta1, config.lion_beta2),
-            soap_shampoo_beta=config.soap_shampoo_beta, tangent_grad=config.md_tangent_grad,
-            normalize_update=config.md_normalize_update,
+            md_base=config.md_base, lion_betas=(config.lion.lion_beta1, config.lion.lion_beta2),
+            soap_shampoo_beta=config.soap.soap_shampoo_beta, tangent_grad=config.md.md_tangent_grad,
+            normalize_update=config.md.md_normalize_update,
         )
         super().__init__(params, defaults, self._bases[config.md_base])
 
@@ -237,9 +220,9 @@ def _config_to_kwargs(config, model_chunks, pg_collection):
 def routes_to_adamw(config: MDOptimizerConfig):
     """Which params MD leaves to AdamW: 1-D ones, learned positions, unconstrained embedding/head."""
     plain = ["position_embeddings.weight"]
-    if config.md_embedding_sphere == "none":
+    if config.md.md_embedding_sphere == "none":
         plain.append("word_embeddings.weight")
-    if config.md_output_sphere == "none":
+    if config.md.md_output_sphere == "none":
         plain.append("output_layer.weight")
 
     def routed(p: torch.Tensor) -> bool:
@@ -269,36 +252,36 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
         tag = {"is_decoupled_lr": f"md:{role}"} if role else {}
         return {"max_lr": max_lr, "min_lr": max_lr * min_ratio, **tag}
 
-    matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
-    embedding_lr = config.embedding_lr if config.embedding_lr is not None else lr
+    matrix_lr = config.md.matrix_lr if config.md.matrix_lr is not None else lr
+    embedding_lr = config.md.embedding_lr if config.md.embedding_lr is not None else lr
     # out-projections get their own group when something differs for them: the 1/sqrt(2L) radius, or "embed"
-    out_proj = config.md_out_proj_radius or "embed" in (config.md_sphere, config.md_gains)
+    out_proj = config.md.md_out_proj_radius or "embed" in (config.md.md_sphere, config.md.md_gains)
     hidden = ParamKey(predicate=ParamPredicate(
         name=f"md_hidden{'_no_out' if out_proj else ''}", fn=lambda p: _is_hidden_matrix(p) and not (out_proj and _is_out_proj(p))
     ))
-    keep = {"preserve_init": True} if config.md_preserve_init else {}  # hidden matrices only: they have gains
+    keep = {"preserve_init": True} if config.md.md_preserve_init else {}  # hidden matrices only: they have gains
     router = ParamKey(name="*router.weight")
     embedding = ParamKey(name="*word_embeddings.weight")
     output = ParamKey(name="*output_layer.weight")
     out = {
         hidden: {**band(matrix_lr, "hidden"), "md_role": "hidden", **keep},
-        router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md_router_sphere,
+        router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md.md_router_sphere,
                  "scale_mode": "shape_scaling", "md_base": "muon"},
     }
     if out_proj:
         # Paper option: out-projections live on a sphere of radius sqrt(max(m,n))/sqrt(2L) and
         # their Muon update shrinks by the same factor (docs/optimizers.md §1.2).
         key = ParamKey(predicate=ParamPredicate(name="md_out_proj", fn=lambda p: _is_hidden_matrix(p) and _is_out_proj(p)))
-        radius = {"radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5} if config.md_out_proj_radius else {}
+        radius = {"radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5} if config.md.md_out_proj_radius else {}
         out[key] = {**band(matrix_lr, "out_proj"), "md_role": "hidden", "out_proj": True, **radius, **keep}
-    if config.md_embedding_sphere != "none":
-        out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md_embedding_sphere,
+    if config.md.md_embedding_sphere != "none":
+        out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md.md_embedding_sphere,
                           "gains": "none", "md_base": "adam"}
     else:
         out[embedding] = band(embedding_lr)
-    if config.md_output_sphere != "none":
-        out[output] = {**band(lr, "output"), "md_role": "output", "sphere": config.md_output_sphere,
-                       "gains": config.md_output_gains, "md_base": "adam"}
+    if config.md.md_output_sphere != "none":
+        out[output] = {**band(lr, "output"), "md_role": "output", "sphere": config.md.md_output_sphere,
+                       "gains": config.md.md_output_gains, "md_base": "adam"}
     return out
 
 
@@ -310,19 +293,3 @@ def _is_hidden_matrix(p: torch.Tensor) -> bool:
 def _is_out_proj(p: torch.Tensor) -> bool:
     key = getattr(p, "md_key", None) or ""
     return key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight")
-
-
-def optimizer_config_kwargs(o, md_base: str = "muon") -> dict:
-    """MDOptimizerConfig fields from our OptimConfig section (``md_base``: the family's base update)."""
-    return dict(
-        md_base=md_base,
-        matrix_lr=o.matrix_lr, embedding_lr=o.embedding_lr, gains_lr=o.gains_lr,
-        md_sphere=o.md_sphere, md_gains=o.md_gains, md_gain_param=o.md_gain_param,
-        md_scale_mode=o.md_scale_mode, md_ns_coefficients=o.md_ns_coefficients,
-        md_embedding_sphere=o.md_embedding_sphere, md_output_sphere=o.md_output_sphere,
-        md_output_gains=o.md_output_gains, md_router_sphere=o.md_router_sphere,
-        md_out_proj_radius=o.md_out_proj_radius, md_ns_per_matrix=o.md_ns_per_matrix, md_compile=o.md_compile,
-        md_preserve_init=o.md_preserve_init, md_tangent_grad=o.md_tangent_grad,
-        md_normalize_update=o.md_normalize_update, lion_beta1=o.lion_beta1, lion_beta2=o.lion_beta2,
-        soap_shampoo_beta=o.soap_shampoo_beta,
-    )

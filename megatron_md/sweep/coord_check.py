@@ -192,8 +192,7 @@ def run_coord_check(spec: SweepSpec, out: Path, steps: int, log: Callable[[str],
     rt = setup_parallel(copy.deepcopy(first))
     try:
         for (opt, w), cfg in cfgs.items():
-            o = cfg.optimizer
-            lr = getattr(o, RECIPES[opt].lr_field)
+            lr = C.setting(cfg, RECIPES[opt].lr_field)
             log(f"[coord-check] {opt} width {w} ({RECIPES[opt].lr_field.replace('_', '-')} {lr:.4g}), {steps} steps")
             for r in _one(cfg, steps, rt, log):
                 rows.append({"optimizer": opt, "width": w, "lr": lr, **r})

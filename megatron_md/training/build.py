@@ -171,13 +171,13 @@ def build_optimizer_and_hooks(cfg: RunConfig, ddp_model):
         params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and not family.steps_matrices,
         use_layer_wise_distributed_optimizer=layer_wise(cfg),
-        muon_momentum=o.muon_momentum,
-        muon_nesterov=o.muon_nesterov,
-        muon_scale_mode=o.muon_scale_mode,
-        muon_num_ns_steps=o.muon_num_ns_steps,
-        muon_tp_mode=ns_tp_mode(o.muon_tp_mode, o.optimizer),
-        muon_extra_scale_factor=o.muon_extra_scale_factor,
-        muon_fp32_matmul_prec=ns_matmul_precision(o.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
+        muon_momentum=o.muon.muon_momentum,
+        muon_nesterov=o.muon.muon_nesterov,
+        muon_scale_mode=o.muon.muon_scale_mode,
+        muon_num_ns_steps=o.muon.muon_num_ns_steps,
+        muon_tp_mode=ns_tp_mode(o.muon.muon_tp_mode, o.optimizer),
+        muon_extra_scale_factor=o.muon.muon_extra_scale_factor,
+        muon_fp32_matmul_prec=ns_matmul_precision(o.muon.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
     )
     optimizer, hooks = family.build(cfg, common, ddp_model)
     gbs = global_batch_size(cfg)

@@ -17,30 +17,21 @@ from typing import Any, Optional
 
 import yaml
 
+from megatron_md.fields import RANGES, opt
 from megatron_md.mcore.families import FAMILIES, descriptions
+from megatron_md.mcore.family_configs import SECTIONS as OPTIMIZER_SECTIONS
 
 OPTIMIZER_DESCRIPTIONS = descriptions()
-
-
-def opt(default, help: str, choices=None, nargs=None, valid: Optional[str] = None):
-    """A config field: its default, help text, choices, and for numbers its valid range (``valid``:
-    ">=1", ">=0", ">0", "[0,1)" or "(0,1]"), checked before any work starts with the flag named."""
-    return field(default=default, metadata={"help": help, "choices": choices, "nargs": nargs, "valid": valid})
-
-
-_RANGES = {">=1": (lambda v: v >= 1, "must be >= 1"), ">=0": (lambda v: v >= 0, "must be >= 0"),
-           ">0": (lambda v: v > 0, "must be > 0"), "[0,1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-           "(0,1]": (lambda v: 0 < v <= 1, "must be in (0, 1]")}
 
 
 def range_errors(cfg) -> list[str]:
     """One line per numeric setting outside its field's declared range (unset optional values pass)."""
     errors = []
     for name, (section, f) in FIELDS.items():
-        valid, value = f.metadata.get("valid"), getattr(getattr(cfg, section), name)
+        valid, value = f.metadata.get("valid"), getattr(section_of(cfg, section), name)
         if valid is None or value is None:
             continue
-        ok, says = _RANGES[valid]
+        ok, says = RANGES[valid]
         if not ok(value):
             errors.append(f"{flag(name)} {says}, got {value}")
     return errors
@@ -149,7 +140,9 @@ class ParallelConfig:
 
 
 @dataclass
-class OptimConfig:
+class SharedOptimConfig:
+    """Settings every optimizer shares (the LR schedule, clipping, the AdamW of 1-D parameters)."""
+
     optimizer: str = opt(
         "adam", "Optimizer: " + "; ".join(f"{n}: {d}" for n, d in OPTIMIZER_DESCRIPTIONS.items()) + ".",
         list(OPTIMIZER_DESCRIPTIONS),
@@ -168,86 +161,14 @@ class OptimConfig:
     adam_beta1: float = opt(0.9, "Adam beta1.", valid="[0,1)")
     adam_beta2: float = opt(0.95, "Adam beta2.", valid="[0,1)")
     adam_eps: float = opt(1e-8, "Adam epsilon.", valid=">0")
-    muon_momentum: float = opt(0.95, "Muon momentum.", valid="[0,1)")
-    muon_nesterov: bool = opt(True, "Nesterov momentum for Muon.")
-    muon_scale_mode: str = opt(
-        "spectral", "Muon update scale.", ["spectral", "unit_rms_norm", "shape_scaling"]
-    )
-    muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations.", valid=">=1")
-    muon_tp_mode: str = opt(
-        "auto",
-        "How Newton-Schulz treats TP-sharded matrices. layer_sharded (MD, Manifold Muon): one owner per matrix in "
-        "its TP group, batched by shape; duplicated: every TP rank runs every matrix; distributed, blockwise: "
-        "megatron Muon only ('blockwise' makes the update depend on TP size). auto: layer_sharded for MD and "
-        "Manifold Muon, duplicated for muon.",
-        ["auto", "layer_sharded", "duplicated", "distributed", "blockwise"],
-    )
-    muon_extra_scale_factor: float = opt(1.0, "Extra multiplier on the Muon update.", valid=">0")
-    muon_fp32_matmul_prec: str = opt(
-        "auto",
-        "fp32 matmul precision of megatron Muon's Newton-Schulz; 'medium' runs it in bf16. auto: medium on CUDA, "
-        "highest on CPU (bf16 matmuls there are ~100x slower than fp32 without native bf16 units).",
-        ["auto", "medium", "high", "highest"],
-    )
-    matrix_lr: Optional[float] = opt(None, "MD: peak LR of hidden matrices (the angular step; default --lr).", valid=">0")
-    embedding_lr: Optional[float] = opt(None, "MD: peak LR of the word embedding (default --lr).", valid=">0")
-    gains_lr: float = opt(1e-3, "MD: peak LR of the row/column gains (Adam on raw gains).", valid=">=0")
-    md_sphere: str = opt("flat", "MD: sphere of hidden matrices (embed: row, column for out-projections).",
-                         ["flat", "row", "col", "embed"])
-    md_gains: str = opt("rowcol", "MD: gains of hidden matrices (flat: one per matrix; embed: row, column for "
-                        "out-projections).", ["rowcol", "row", "col", "flat", "embed", "none"])
-    md_gain_param: str = opt("softplus", "MD: gain parametrisation gamma = phi(rho): softplus, direct (rho, floored "
-                             "at 1e-5), offset (1 + rho), exp.", ["softplus", "direct", "offset", "exp"])
-    md_preserve_init: bool = opt(
-        False, "MD: keep the initial weights: hidden matrices are not projected; their norms go into the gains.")
-    md_tangent_grad: bool = opt(
-        False, "MD: drop the direction gradient's radial component before the base update (the authors' --hs-p).")
-    md_normalize_update: bool = opt(
-        False, "MD: put the base update on the direction's sphere before the step, so the relative step is the "
-        "LR exactly (the authors' --hs-u).")
-    lion_beta1: float = opt(0.9, "lion_md: beta1 (the sign's interpolation).", valid="[0,1)")
-    lion_beta2: float = opt(0.99, "lion_md: beta2 (the momentum's EMA).", valid="[0,1)")
-    soap_shampoo_beta: float = opt(0.95, "soap_md: EMA of the Kronecker factors (inner Adam: --adam-beta1/2).", valid="[0,1)")
-    md_scale_mode: str = opt(
-        "shape_up", "MD-Muon update scale (shape_up: relative update = LR).",
-        ["shape_up", "spectral", "unit_rms_norm", "shape_scaling", "none"],
-    )
-    md_ns_coefficients: str = opt("quintic", "MD-Muon Newton-Schulz coefficients.", ["quintic", "simple", "polar_express"])
-    md_compile: str = opt(
-        "auto", "MD: torch.compile the Adam-base kernel of matrices of >= 4M elements (embedding, LM head; eager "
-        "fallback if compiling fails); off: eager everywhere.", ["auto", "off"]
-    )
-    md_ns_per_matrix: bool = opt(
-        False, "MD, Manifold Muon: one Newton-Schulz call per matrix inside each same-shape bucket (debugging: "
-        "bitwise the unbatched result; batching changes fp32 rounding only)."
-    )
-    md_embedding_sphere: str = opt("row", "MD: word-embedding sphere (none: plain AdamW).", ["row", "none"])
-    md_output_sphere: str = opt("row", "MD: LM-head sphere (none: plain AdamW).", ["row", "none"])
-    md_output_gains: str = opt("rowcol", "MD: LM-head gains.", ["rowcol", "row", "col", "none"])
-    md_router_sphere: str = opt("row", "MD: MoE router sphere.", ["row", "flat"])
-    geometry: str = opt(
-        "hetero", "manifold_muon: a preset (unconstrained, all-stiefel, all-dgram, hetero, hetero-inv, md, "
-        "hetero-md) or rules like 'attention=stiefel,mlp=dgram,experts=md'."
-    )
-    geometry_auto_sigma_max: Optional[float] = opt(
-        None, "--geometry auto:PRESET: move a module to Stiefel once its sigma_max exceeds this.", valid=">0"
-    )
-    geometry_auto_logit: Optional[float] = opt(
-        None, "--geometry auto:PRESET: move a layer's attention to Stiefel once its max logit exceeds this.", valid=">0"
-    )
-    manifold_mode: str = opt("fast", "manifold_muon dual solve: faithful (reference) or fast.", ["faithful", "fast"])
-    manifold_dual_steps: int = opt(20, "manifold_muon faithful: dual-ascent iterations K per step.", valid=">=1")
-    manifold_dual_lr: float = opt(0.1, "manifold_muon faithful: dual step alpha (absolute, linearly decayed).", valid=">0")
-    manifold_msign_steps: int = opt(10, "manifold_muon faithful: Polar Express steps of msign.", valid=">=1")
-    manifold_fast_dual_steps: int = opt(1, "manifold_muon fast: dual iterations (msigns) per step; the dual "
-                                        "ascent continues across steps.", valid=">=1")
-    manifold_fast_dual_lr: float = opt(0.02, "manifold_muon fast: scale-free dual step (x RMS singular value "
-                                       "/ (d_i^2 + d_j^2)).", valid=">0")
-    manifold_fast_msign_steps: int = opt(8, "manifold_muon fast: Polar Express steps of msign.", valid=">=1")
-    manifold_split_qkv: bool = opt(False, "manifold_muon: constrain Q, K, V separately (default: fused).")
-    md_out_proj_radius: bool = opt(
-        False, "MD: out-projections (attention proj, fc2) on a sphere and update scaled by 1/sqrt(2L)."
-    )
+
+
+# OptimConfig: the shared settings plus one typed section per family (``cfg.optimizer.md.md_sphere``); a new
+# family adds its section in mcore/family_configs.py, not here.
+OptimConfig = dataclasses.make_dataclass(
+    "OptimConfig", [(name, klass, field(default_factory=klass)) for name, klass in OPTIMIZER_SECTIONS.items()],
+    bases=(SharedOptimConfig,))
+OptimConfig.__module__ = __name__
 
 
 @dataclass
@@ -408,11 +329,48 @@ class RunConfig:
 
 # ----------------------------------------------------------------------------- field index
 
+def _nested(klass) -> dict[str, type]:
+    """The fields of ``klass`` that are sections themselves (OptimConfig's family sections)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(klass)
+            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+
+
+def section_classes() -> list[tuple[str, type]]:
+    """Every section of the run config as (path, class), nested ones as "optimizer.manifold", in --help order."""
+    out = []
+    for name, klass in SECTIONS.items():
+        out.append((name, klass))
+        out += [(f"{name}.{sub}", k) for sub, k in _nested(klass).items()]
+    return out
+
+
+def knobs(klass) -> list[dataclasses.Field]:
+    """The fields of a section that are settings (one flag each), without its nested sections."""
+    nested = _nested(klass)
+    return [f for f in dataclasses.fields(klass) if f.name not in nested]
+
+
+def section_of(cfg, path: str):
+    """The section object at ``path`` ("optimizer.manifold") of a RunConfig."""
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def setting(cfg, name: str):
+    """The value of the setting ``name`` (a field / flag name) wherever its section sits."""
+    return getattr(section_of(cfg, FIELDS[name][0]), name)
+
+
+_SECTION_NAMES = {path.rsplit(".", 1)[-1] for path, _ in section_classes()}
+
+
 def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     index = {}
-    for section, klass in SECTIONS.items():
-        for f in dataclasses.fields(klass):
+    for section, klass in section_classes():
+        for f in knobs(klass):
             assert f.name not in index, f"duplicate config field {f.name}"
+            assert f.name not in _SECTION_NAMES - {"optimizer"}, f"field {f.name} shadows a section"
             index[f.name] = (section, f)
     return index
 
@@ -466,23 +424,24 @@ def flag(name: str) -> str:
 
 
 def apply_overrides(cfg: RunConfig, overrides: dict, source: str) -> None:
-    """Set fields from a flat {field: value} or sectioned {section: {field: value}} mapping."""
+    """Set fields from a flat {field: value} or sectioned {section: {field: value}} mapping (sections nest:
+    {optimizer: {md: {md_sphere: row}}}; flat names work at any level)."""
     for key, value in overrides.items():
-        if key in SECTIONS and isinstance(value, dict):
+        if key in _SECTION_NAMES and isinstance(value, dict):
             apply_overrides(cfg, value, source)
             continue
         name = key.replace("-", "_")
         if name not in FIELDS:
             raise ValueError(f"{source}: unknown setting {key!r} (no flag {flag(name)})")
         section, _ = FIELDS[name]
-        setattr(getattr(cfg, section), name, _coerce(name, value, source))
+        setattr(section_of(cfg, section), name, _coerce(name, value, source))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per config field; defaults are SUPPRESS so we know what the user typed."""
-    for section, klass in SECTIONS.items():
+    for section, klass in section_classes():
         group = parser.add_argument_group(section)
-        for f in dataclasses.fields(klass):
+        for f in knobs(klass):
             base = _base_type(f.type)
             default = f.default
             help_text = f.metadata.get("help", "")
@@ -562,8 +521,8 @@ def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict) -> RunCo
 def _keys(d: dict) -> set[str]:
     out = set()
     for k, v in d.items():
-        if k in SECTIONS and isinstance(v, dict):
-            out |= {x.replace("-", "_") for x in v}
+        if k in _SECTION_NAMES and isinstance(v, dict):
+            out |= _keys(v)
         else:
             out.add(k.replace("-", "_"))
     return out

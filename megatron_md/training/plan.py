@@ -189,9 +189,9 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
             md(tn, a.base, a.gains)
         elif a.kind == "manifold":
             base("muon", tn.numel)
-            if o.manifold_mode == "fast":
+            if o.manifold.manifold_mode == "fast":
                 rows, cols = tn.full
-                blocks = qkv_rows(cfg) if (o.manifold_split_qkv and tn.role == "attention.qkv") else [rows]
+                blocks = qkv_rows(cfg) if (o.manifold.manifold_split_qkv and tn.role == "attention.qkv") else [rows]
                 kinds["manifold_duals"] += FP32 * tn.count * sum(min(r, cols) ** 2 for r in blocks)
         else:
             base(a.base, tn.numel, tn)

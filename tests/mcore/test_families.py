@@ -78,15 +78,31 @@ def test_importing_the_registry_imports_neither_torch_nor_megatron():
 def test_every_config_knob_is_one_field_and_one_flag():
     """The train parser's flags are exactly the config fields (booleans also get --no-...), each declared once."""
     from megatron_md.training.arguments import train_parser
-    from megatron_md.training.config import SECTIONS
+    from megatron_md.training.config import knobs, section_classes
 
-    declared = [f.name for klass in SECTIONS.values() for f in __import__("dataclasses").fields(klass)]
+    declared = [f.name for _, klass in section_classes() for f in knobs(klass)]
     assert len(declared) == len(set(declared)) == len(FIELDS)
     parser = train_parser()
     dests = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
     extra = dests - set(FIELDS)
     assert set(FIELDS) <= dests, sorted(set(FIELDS) - dests)
     assert extra <= {"config", "model"}, sorted(extra)  # the two flags that are not settings: --config, --model
+
+
+def test_megatron_configs_carry_the_sections_and_declare_no_knob_again():
+    """MD's and Manifold Muon's megatron configs hold the run's typed sections (the same objects), not copies of
+    their fields: no knob of ours is declared a second time there."""
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_md.mcore.manifold_optimizer import ManifoldOptimizerConfig
+
+    ours = {f.name for f in dataclasses.fields(ManifoldOptimizerConfig)} - {f.name for f in dataclasses.fields(OptimizerConfig)}
+    assert ours == {"md_base", "md_num_layers", "md", "lion", "soap", "manifold"}
+    cfg = resolve("tiny-dense", None, {"optimizer": "manifold_muon"})
+    sections = FAMILIES["manifold_muon"]._sections(cfg)
+    assert all(sections[n] is getattr(cfg.optimizer, n) for n in ours & set(sections)) and len(sections) == 4
 
 
 def test_policy_hooks_save_and_restore_the_auto_switches():

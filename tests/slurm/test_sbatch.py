@@ -609,9 +609,9 @@ def test_width_ladder_dry_run_writes_the_grid_and_prints_the_array_job(tmp_path)
         assert (cfg.model.hidden_size, cfg.model.num_attention_heads, cfg.model.ffn_hidden_size,
                 cfg.model.init_method_std) == (recipe.model.hidden_size, recipe.model.num_attention_heads,
                                                recipe.model.ffn_hidden_size, recipe.model.init_method_std)
-        assert (cfg.optimizer.optimizer, cfg.optimizer.lr, cfg.optimizer.embedding_lr) == ("muon_md", 1e-3, 3e-3)
+        assert (cfg.optimizer.optimizer, cfg.optimizer.lr, cfg.optimizer.md.embedding_lr) == ("muon_md", 1e-3, 3e-3)
         assert cfg.checkpoint.save.startswith("runs/sweeps/ladder-JOBID/")
-        seen.setdefault(Path(config).name, []).append(G.k_label(cfg.optimizer.matrix_lr))
+        seen.setdefault(Path(config).name, []).append(G.k_label(cfg.optimizer.md.matrix_lr))
     assert sorted(seen) == sorted(f"{m}_muon_md.yaml" for m in PAPER)
     assert all(ks == [5, 6, 7, 8, 9] for ks in seen.values())  # centred on the recipes' own k=7, not the CPU k=12
     assert "--collect runs/sweeps/ladder-JOBID" in p.stderr

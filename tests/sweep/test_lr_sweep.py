@@ -143,12 +143,12 @@ def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
         assert cfg.training.train_iters == 20 and cfg.training.seed == 1
         if cell.optimizer in ("adamw", "muon"):
             # megatron-core's Muon takes its matrices' LR from --lr (config.lr -> every param group)
-            assert o.lr == cell.lr and o.matrix_lr is None
+            assert o.lr == cell.lr and o.md.matrix_lr is None
             assert (o.lr_warmup_iters, o.weight_decay) == (2, 0.1)
         else:
-            assert o.matrix_lr == cell.lr
+            assert o.md.matrix_lr == cell.lr
         if cell.optimizer in ("muon_md", "adam_md"):
-            assert (o.lr, o.embedding_lr, o.lr_warmup_iters, o.weight_decay) == (1e-3, 3e-3, 0, 0.0)
+            assert (o.lr, o.md.embedding_lr, o.lr_warmup_iters, o.weight_decay) == (1e-3, 3e-3, 0, 0.0)
     assert runner.param_count(seen[("adamw", 128)]) > runner.param_count(seen[("adamw", 32)])
     # a base config that sets --lr keeps it; --warmups / --weight-decays override the recipes
     base = tmp_path / "base.yaml"
@@ -158,7 +158,7 @@ def test_lr_flag_per_optimizer_recipes_and_width_scaling(tmp_path):
     cells = s.cells()
     assert len(cells) == 2 * 2 * 2 and {c.warmup for c in cells} == {5, 1}
     md = runner.resolve_cell(s, next(c for c in cells if c.optimizer == "muon_md"))
-    assert md.optimizer.lr == 0.002 and md.optimizer.embedding_lr == 3e-3
+    assert md.optimizer.lr == 0.002 and md.optimizer.md.embedding_lr == 3e-3
     assert len({c.name for c in cells}) == len(cells)
 
 

@@ -1,0 +1,129 @@
+"""The optimizer families' typed config sections: one dataclass per family (or per base update), one field per
+knob, each field one flag with the name users type (``--md-sphere``, ``--manifold-mode``, ...).
+
+``OptimConfig`` (training/config.py) holds the settings every optimizer shares plus one section of each class
+in ``SECTIONS``; the families read their own section (``cfg.optimizer.md``) and hand it on as the typed object
+it is (``MDOptimizerConfig.md``), never copied field by field. Imports neither torch nor megatron-core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_md.fields import opt
+
+
+@dataclass
+class MuonConfig:
+    """Muon's momentum and Newton-Schulz settings: megatron's Muon, MD's Muon base and Manifold Muon."""
+
+    muon_momentum: float = opt(0.95, "Muon momentum.", valid="[0,1)")
+    muon_nesterov: bool = opt(True, "Nesterov momentum for Muon.")
+    muon_scale_mode: str = opt(
+        "spectral", "Muon update scale.", ["spectral", "unit_rms_norm", "shape_scaling"]
+    )
+    muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations.", valid=">=1")
+    muon_tp_mode: str = opt(
+        "auto",
+        "How Newton-Schulz treats TP-sharded matrices. layer_sharded (MD, Manifold Muon): one owner per matrix in "
+        "its TP group, batched by shape; duplicated: every TP rank runs every matrix; distributed, blockwise: "
+        "megatron Muon only ('blockwise' makes the update depend on TP size). auto: layer_sharded for MD and "
+        "Manifold Muon, duplicated for muon.",
+        ["auto", "layer_sharded", "duplicated", "distributed", "blockwise"],
+    )
+    muon_extra_scale_factor: float = opt(1.0, "Extra multiplier on the Muon update.", valid=">0")
+    muon_fp32_matmul_prec: str = opt(
+        "auto",
+        "fp32 matmul precision of megatron Muon's Newton-Schulz; 'medium' runs it in bf16. auto: medium on CUDA, "
+        "highest on CPU (bf16 matmuls there are ~100x slower than fp32 without native bf16 units).",
+        ["auto", "medium", "high", "highest"],
+    )
+
+
+@dataclass
+class MDConfig:
+    """MD decoupling: learning-rate bands, spheres, gains and the options of the MD paper's code."""
+
+    matrix_lr: Optional[float] = opt(None, "MD: peak LR of hidden matrices (the angular step; default --lr).", valid=">0")
+    embedding_lr: Optional[float] = opt(None, "MD: peak LR of the word embedding (default --lr).", valid=">0")
+    gains_lr: float = opt(1e-3, "MD: peak LR of the row/column gains (Adam on raw gains).", valid=">=0")
+    md_sphere: str = opt("flat", "MD: sphere of hidden matrices (embed: row, column for out-projections).",
+                         ["flat", "row", "col", "embed"])
+    md_gains: str = opt("rowcol", "MD: gains of hidden matrices (flat: one per matrix; embed: row, column for "
+                        "out-projections).", ["rowcol", "row", "col", "flat", "embed", "none"])
+    md_gain_param: str = opt("softplus", "MD: gain parametrisation gamma = phi(rho): softplus, direct (rho, floored "
+                             "at 1e-5), offset (1 + rho), exp.", ["softplus", "direct", "offset", "exp"])
+    md_preserve_init: bool = opt(
+        False, "MD: keep the initial weights: hidden matrices are not projected; their norms go into the gains.")
+    md_tangent_grad: bool = opt(
+        False, "MD: drop the direction gradient's radial component before the base update (the authors' --hs-p).")
+    md_normalize_update: bool = opt(
+        False, "MD: put the base update on the direction's sphere before the step, so the relative step is the "
+        "LR exactly (the authors' --hs-u).")
+    md_scale_mode: str = opt(
+        "shape_up", "MD-Muon update scale (shape_up: relative update = LR).",
+        ["shape_up", "spectral", "unit_rms_norm", "shape_scaling", "none"],
+    )
+    md_ns_coefficients: str = opt("quintic", "MD-Muon Newton-Schulz coefficients.", ["quintic", "simple", "polar_express"])
+    md_compile: str = opt(
+        "auto", "MD: torch.compile the Adam-base kernel of matrices of >= 4M elements (embedding, LM head; eager "
+        "fallback if compiling fails); off: eager everywhere.", ["auto", "off"]
+    )
+    md_ns_per_matrix: bool = opt(
+        False, "MD, Manifold Muon: one Newton-Schulz call per matrix inside each same-shape bucket (debugging: "
+        "bitwise the unbatched result; batching changes fp32 rounding only)."
+    )
+    md_embedding_sphere: str = opt("row", "MD: word-embedding sphere (none: plain AdamW).", ["row", "none"])
+    md_output_sphere: str = opt("row", "MD: LM-head sphere (none: plain AdamW).", ["row", "none"])
+    md_output_gains: str = opt("rowcol", "MD: LM-head gains.", ["rowcol", "row", "col", "none"])
+    md_router_sphere: str = opt("row", "MD: MoE router sphere.", ["row", "flat"])
+    md_out_proj_radius: bool = opt(
+        False, "MD: out-projections (attention proj, fc2) on a sphere and update scaled by 1/sqrt(2L)."
+    )
+
+
+@dataclass
+class LionConfig:
+    """The Lion base update of lion_md."""
+
+    lion_beta1: float = opt(0.9, "lion_md: beta1 (the sign's interpolation).", valid="[0,1)")
+    lion_beta2: float = opt(0.99, "lion_md: beta2 (the momentum's EMA).", valid="[0,1)")
+
+
+@dataclass
+class SoapConfig:
+    """The SOAP base update of soap_md."""
+
+    soap_shampoo_beta: float = opt(0.95, "soap_md: EMA of the Kronecker factors (inner Adam: --adam-beta1/2).", valid="[0,1)")
+
+
+@dataclass
+class ManifoldConfig:
+    """Module-wise Manifold Muon: the geometry of each module and the dual solve."""
+
+    geometry: str = opt(
+        "hetero", "manifold_muon: a preset (unconstrained, all-stiefel, all-dgram, hetero, hetero-inv, md, "
+        "hetero-md) or rules like 'attention=stiefel,mlp=dgram,experts=md'."
+    )
+    geometry_auto_sigma_max: Optional[float] = opt(
+        None, "--geometry auto:PRESET: move a module to Stiefel once its sigma_max exceeds this.", valid=">0"
+    )
+    geometry_auto_logit: Optional[float] = opt(
+        None, "--geometry auto:PRESET: move a layer's attention to Stiefel once its max logit exceeds this.", valid=">0"
+    )
+    manifold_mode: str = opt("fast", "manifold_muon dual solve: faithful (reference) or fast.", ["faithful", "fast"])
+    manifold_dual_steps: int = opt(20, "manifold_muon faithful: dual-ascent iterations K per step.", valid=">=1")
+    manifold_dual_lr: float = opt(0.1, "manifold_muon faithful: dual step alpha (absolute, linearly decayed).", valid=">0")
+    manifold_msign_steps: int = opt(10, "manifold_muon faithful: Polar Express steps of msign.", valid=">=1")
+    manifold_fast_dual_steps: int = opt(1, "manifold_muon fast: dual iterations (msigns) per step; the dual "
+                                        "ascent continues across steps.", valid=">=1")
+    manifold_fast_dual_lr: float = opt(0.02, "manifold_muon fast: scale-free dual step (x RMS singular value "
+                                       "/ (d_i^2 + d_j^2)).", valid=">0")
+    manifold_fast_msign_steps: int = opt(8, "manifold_muon fast: Polar Express steps of msign.", valid=">=1")
+    manifold_split_qkv: bool = opt(False, "manifold_muon: constrain Q, K, V separately (default: fused).")
+
+
+# section name in OptimConfig -> its class (the order is the order of the --help groups)
+SECTIONS: dict[str, type] = {"muon": MuonConfig, "md": MDConfig, "lion": LionConfig, "soap": SoapConfig,
+                             "manifold": ManifoldConfig}
