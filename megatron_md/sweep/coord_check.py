@@ -72,7 +72,7 @@ class _Probe:
 
 def _matrices(gpt) -> dict:
     """name -> (layer, role, param) of the hidden matrices, the embedding and the LM head."""
-    from megatron_md.training.diagnostics import label
+    from megatron_md.training.observability.diagnostics import label
 
     out = {}
     for name, p in gpt.named_parameters():
@@ -95,9 +95,9 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_md.training.batches import micro_batches
+    from megatron_md.training.data.batches import micro_batches
     from megatron.core.utils import unwrap_model as unwrap
-    from megatron_md.training.data import build_gpt_datasets
+    from megatron_md.training.data.datasets import build_gpt_datasets
     from megatron_md.training.step import make_forward_step
     from megatron_md.training.build import (build_optimizer, build_wrapped_model, global_batch_size,
                                               make_tokenizer, seed_everything, vocab_size_for)

@@ -58,7 +58,7 @@ def seed_everything(seed: int) -> None:
 
 def make_tokenizer(cfg: RunConfig):
     """megatron-core's tokenizer for the run's --tokenizer-* flags; None for mock data / NullTokenizer."""
-    from megatron_md.training.tokenizer import tokenizer_for_data
+    from megatron_md.training.data.tokenizer import tokenizer_for_data
 
     return tokenizer_for_data(cfg.data)
 

@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_md.mcore.families import family_of
 from megatron_md.models.presets import count_parameters, human
-from megatron_md.training import checkpointing as ckpt
+from megatron_md.training.checkpoints import checkpointing as ckpt
 from megatron_md.training.build import (
     build_optimizer_and_hooks,
     build_wrapped_model,
@@ -38,12 +38,12 @@ from megatron_md.training.build import (
     vocab_size_for,
     with_vocab,
 )
-from megatron_md.training.preemption import TIME_UP, PreemptionWatch, mark_preempted, signal_name
-from megatron_md.training.batches import micro_batches
-from megatron_md.training import throughput as tp
+from megatron_md.training.checkpoints.preemption import TIME_UP, PreemptionWatch, mark_preempted, signal_name
+from megatron_md.training.data.batches import micro_batches
+from megatron_md.training.observability import throughput as tp
 from megatron_md.training.config import RunConfig
-from megatron_md.training.profiling import StepProfiler
-from megatron_md.training.run_logging import RunLogger
+from megatron_md.training.observability.profiling import StepProfiler
+from megatron_md.training.observability.run_logging import RunLogger
 from megatron_md.training.step import all_finite, make_forward_step, reduce_loss
 from megatron_md.training.validate import ConfigError
 
@@ -121,7 +121,7 @@ class Trainer:
         )
         self._announce()
         self.train_ds, self.valid_ds = self._datasets()
-        from megatron_md.training.diagnostics import AttentionProbe
+        from megatron_md.training.observability.diagnostics import AttentionProbe
 
         self.probe = AttentionProbe(ckpt.unwrap(self.model)) if cfg.logging.diagnostics_interval else None
         self.preemption = PreemptionWatch(cfg.training.exit_signal_handler)
@@ -200,7 +200,7 @@ class Trainer:
 
     def _datasets(self):
         cfg, t = self.cfg, self.cfg.training
-        from megatron_md.training.data import build_gpt_datasets
+        from megatron_md.training.data.datasets import build_gpt_datasets
 
         evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
         sizes = (t.train_iters * self.gbs, evals * t.eval_iters * self.gbs, 0)
@@ -455,7 +455,7 @@ class Trainer:
             if load is not None:
                 rec["moe_expert_load_max"], rec["moe_expert_load_min"] = load
         if self._diagnostics_due(self.state.iteration):
-            from megatron_md.training.diagnostics import collect
+            from megatron_md.training.observability.diagnostics import collect
 
             with self.params_synced():
                 diag = collect(self.model, self.optimizer, self.probe)

@@ -123,7 +123,7 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             "--vocab-file and --merge-file)",
         )
     if not d.mock_data and d.tokenizer_type != "NullTokenizer":
-        from megatron_md.training.tokenizer import tokenizer_errors
+        from megatron_md.training.data.tokenizer import tokenizer_errors
 
         for e in tokenizer_errors(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file):
             need(False, e)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "megatron_md"
 # Where the run is built and driven: none of it may branch on an optimizer's name. (Record judging,
 # sweep/records.py, names the optimizers whose claims it judges; the sweep's LR ladders are a table.)
-NO_NAMES = [*sorted((PKG / "training").glob("*.py")), PKG / "cli.py", PKG / "sweep" / "coord_check.py",
+NO_NAMES = [*sorted((PKG / "training").rglob("*.py")), PKG / "cli.py", PKG / "sweep" / "coord_check.py",
             PKG / "sweep" / "command.py", PKG / "sweep" / "runner.py", PKG / "sweep" / "grid.py"]
 
 

@@ -150,7 +150,7 @@ def test_a_checkpoint_of_another_model_is_refused_by_flag(tmp_path, capsys):
 
 def test_layout_differences_are_reported_as_reshardable_not_refused(tmp_path):
     from megatron_md.training.config import resolve
-    from megatron_md.training.resume_check import check_checkpoint_fits
+    from megatron_md.training.checkpoints.resume_check import check_checkpoint_fits
 
     _fake_checkpoint(tmp_path / "ck", tensor_model_parallel_size=2)
     cfg = resolve("tiny-dense", None, {"mock_data": True, "load": str(tmp_path / "ck")})

@@ -1,6 +1,7 @@
 """``megatron-md plan``: per-device memory of a run before launching it, from its config alone.
 
-Closed forms of what the trainer allocates (checked against a real allocation in tests/training/test_plan.py):
+Closed forms of what the trainer allocates (checked against a real allocation in
+tests/training/planning/test_plan.py):
 
 - parameters in the param dtype (bf16 or fp32), each rank holding its TP / PP / EP shard;
 - gradients: megatron DDP's grad buffers, fp32 (the trainer reduces in fp32), one full copy per rank;
@@ -16,7 +17,7 @@ Closed forms of what the trainer allocates (checked against a real allocation in
   head, counted tensor by tensor and checked against a measurement), with sequence parallelism dividing the
   norm regions by TP, and 1F1B keeping PP micro-batches in flight on the first stage.
 
-FLOPs, communication and the report live in ``plan_report.py``.
+FLOPs, communication and the report live in ``report.py``.
 """
 
 from __future__ import annotations

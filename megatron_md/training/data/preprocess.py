@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from megatron_md.training.tokenizer import build_tokenizer, iter_texts
+from megatron_md.training.data.tokenizer import build_tokenizer, iter_texts
 
 LEVEL = "document"
 

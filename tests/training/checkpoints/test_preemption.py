@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_md.training.preemption import SAVE_DELAY_ENV, PreemptionWatch
+from megatron_md.training.checkpoints.preemption import SAVE_DELAY_ENV, PreemptionWatch
 from mdtest import QUIET, REPO, run_cli, train_records
 
 # Constant LR and a long nominal horizon: runs stopped early by a signal or --exit-interval share the

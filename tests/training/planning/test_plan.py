@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from megatron_md.training.config import resolve
-from megatron_md.training.plan_report import (DEVICES, find_device, make_plan, parse_bytes, parse_headroom,
+from megatron_md.training.planning.report import (DEVICES, find_device, make_plan, parse_bytes, parse_headroom,
                                               resolve_target)
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[2]
 
 # (world size, case): tiny presets, seq 64, two sequences per micro-batch; every optimizer state kind is
 # covered (AdamW moments, Muon momentum, MD gains, Manifold Muon duals), bf16 master weights, both

@@ -1,4 +1,4 @@
-"""megatron_md.training.data: --data-path parsing, validation, GPT/mock datasets, demo data."""
+"""megatron_md.training.data.datasets: --data-path parsing, validation, GPT/mock datasets, demo data."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from test_preprocess import make_docs, write_jsonl  # noqa: E402
 
-from megatron_md.training.data import (  # noqa: E402
+from megatron_md.training.data.datasets import (  # noqa: E402
     blend_from_data_path,
     build_gpt_datasets,
     parse_data_path,
@@ -24,8 +24,8 @@ from megatron_md.training.data import (  # noqa: E402
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Two preprocessed tiny corpora (60 and 40 documents, eod appended) and their tokenizer."""
-    from megatron_md.training.preprocess import preprocess
-    from megatron_md.training.tokenizer import build_tokenizer, train_sentencepiece
+    from megatron_md.training.data.preprocess import preprocess
+    from megatron_md.training.data.tokenizer import build_tokenizer, train_sentencepiece
 
     d = tmp_path_factory.mktemp("data")
     docs_a, docs_b = make_docs(60, seed=1), make_docs(40, seed=2)
@@ -89,7 +89,7 @@ def test_validate_missing_tokenizer_and_bad_split(data, tmp_path):
 
 def test_validate_catches_empty_split(data, tmp_path):
     """949,50,1 over 10 documents leaves the test split 0 documents: megatron would hang."""
-    from megatron_md.training.preprocess import preprocess
+    from megatron_md.training.data.preprocess import preprocess
 
     _, _, _, tok, _ = data
     preprocess(write_jsonl(tmp_path / "s.jsonl", make_docs(10)), tmp_path / "s",
@@ -183,8 +183,8 @@ def test_embedded_corpus():
 
 def test_prepare_demo_data(tmp_path):
     """The embedded corpus end to end with a small vocabulary (a few seconds)."""
-    from megatron_md.training.data import prepare_demo_data
-    from megatron_md.training.tokenizer import build_tokenizer
+    from megatron_md.training.data.datasets import prepare_demo_data
+    from megatron_md.training.data.tokenizer import build_tokenizer
 
     msgs = []
     t0 = time.time()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_md.training.generate import SamplingOptions, choose, generate_ids
+from megatron_md.training.evaluation.generate import SamplingOptions, choose, generate_ids
 
 
 def _gen(seed=0):

@@ -75,7 +75,7 @@ def generate_ids(model, prompt: list[int], opts: SamplingOptions, *, seq_length:
 
 
 def generate_main(args) -> int:
-    from megatron_md.training.score import load_for_inference
+    from megatron_md.training.evaluation.score import load_for_inference
 
     cfg, model, tokenizer, rt = load_for_inference(args.load, args.device, verify=not args.no_verify_checkpoint)
     if tokenizer is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_md.training import throughput as tp
+from megatron_md.training.observability import throughput as tp
 
 
 def _counted_flops(preset: str, batch: int, seq: int) -> tuple[float, float, object]:
@@ -60,7 +60,7 @@ def test_step_timer_means_and_resets():
 
 
 def test_log_line_shows_the_report_fields():
-    from megatron_md.training.run_logging import fmt_log_line
+    from megatron_md.training.observability.run_logging import fmt_log_line
 
     rec = dict(iteration=10, consumed_samples=160, iter_time_ms=12.5, tokens_per_s=1000.0, tflops_per_device=0.5,
                mfu=0.0123, optimizer_ms=3.25, peak_memory_gib=1.5, lr=1e-3, global_batch_size=16, lm_loss=2.0,

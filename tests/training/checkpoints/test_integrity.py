@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_md.training import ckpt_integrity as ci
-from megatron_md.training.ckpt_integrity import MANIFEST, CheckpointCorrupted, verify_checkpoint, write_manifest
+from megatron_md.training.checkpoints import integrity as ci
+from megatron_md.training.checkpoints.integrity import MANIFEST, CheckpointCorrupted, verify_checkpoint, write_manifest
 
 # What a real iter_ directory holds (torch_dist shards and metadata, our common state, run config, tokenizer).
 KINDS = ["__0_0.distcp", "__1_0.distcp", ".metadata", "metadata.json", "common.pt", "run_config.yaml",
@@ -132,9 +132,9 @@ def test_every_loader_checks_first_and_the_flag_skips_it(root):
     verify=False (--no-verify-checkpoint) goes on to read the (here fake) files."""
     from megatron_md.training.arguments import train_parser
     from megatron_md.convert.hf_export import export_checkpoint
-    from megatron_md.training import checkpointing as ckpt
+    from megatron_md.training.checkpoints import checkpointing as ckpt
     from megatron_md.training.config import resolve
-    from megatron_md.training.score import load_for_inference
+    from megatron_md.training.evaluation.score import load_for_inference
 
     f = root / "iter_0000002" / "__0_0.distcp"
     f.write_bytes(b"\0" + f.read_bytes()[1:])
@@ -157,7 +157,7 @@ def test_every_loader_checks_first_and_the_flag_skips_it(root):
 _TWO_RANKS = r"""
 import os, sys, torch.distributed as dist
 from pathlib import Path
-from megatron_md.training.ckpt_integrity import CheckpointCorrupted, verify_checkpoint, write_manifest
+from megatron_md.training.checkpoints.integrity import CheckpointCorrupted, verify_checkpoint, write_manifest
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=int(sys.argv[1]), world_size=2)
 d = Path(sys.argv[3])
 write_manifest(d)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_md.training.ckpt_integrity import iter_dir, latest_iteration
+from megatron_md.training.checkpoints.integrity import iter_dir, latest_iteration
 
 # Settings that shape the model's parameters: a checkpoint saved with another value cannot be loaded.
 SHAPE = {

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_md.training.diagnostics import EXACT_SVD_MAX_SIDE, attention_stats, label, matrix_stats
+from megatron_md.training.observability.diagnostics import EXACT_SVD_MAX_SIDE, attention_stats, label, matrix_stats
 
 
 def test_matrix_stats_of_known_matrices():
@@ -129,7 +129,7 @@ def test_labels():
 def test_attention_probe_on_a_model(mcore_world):
     from megatron_md.models.builder import build_model
     from megatron_md.training.config import resolve
-    from megatron_md.training.diagnostics import AttentionProbe
+    from megatron_md.training.observability.diagnostics import AttentionProbe
 
     cfg = resolve("tiny-dense", None, {"seq_length": 16})
     model = build_model(cfg, cfg.model.vocab_size, cpu=True)

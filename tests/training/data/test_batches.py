@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_md.training.batches import micro_batches
+from megatron_md.training.data.batches import micro_batches
 
 
 class Seq:

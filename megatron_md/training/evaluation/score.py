@@ -11,7 +11,7 @@ import os
 import torch
 import yaml
 
-from megatron_md.training import checkpointing as ckpt
+from megatron_md.training.checkpoints import checkpointing as ckpt
 from megatron_md.training.config import RunConfig
 
 
@@ -21,7 +21,7 @@ def load_for_inference(load_dir: str, device: str = "cpu", verify: bool = True):
     ``verify``: check the files against the checkpoint's checksums.json before reading any of them.
     """
     if verify:
-        from megatron_md.training.ckpt_integrity import verify_load
+        from megatron_md.training.checkpoints.integrity import verify_load
 
         verify_load(load_dir)
     text, path = ckpt.read_run_config(load_dir)
@@ -33,7 +33,7 @@ def load_for_inference(load_dir: str, device: str = "cpu", verify: bool = True):
     p.use_distributed_optimizer = False
     cfg.training.device = device
     cfg.training.nproc_per_node = 1
-    from megatron_md.training.tokenizer import use_checkpoint_tokenizer
+    from megatron_md.training.data.tokenizer import use_checkpoint_tokenizer
 
     use_checkpoint_tokenizer(cfg.data, path)  # the tokenizer files saved with the checkpoint
     cfg.checkpoint.save = cfg.checkpoint.load = cfg.checkpoint.pretrained_checkpoint = None
@@ -83,8 +83,8 @@ def score_text(model, tokenizer, text: str, seq_length: int, device) -> tuple[fl
 @torch.no_grad()
 def score_validation(cfg: RunConfig, model, tokenizer, device) -> tuple[float, int]:
     """The trainer's final evaluation, recomputed: same dataset sizes, same samples."""
-    from megatron_md.training.batches import collate
-    from megatron_md.training.data import build_gpt_datasets
+    from megatron_md.training.data.batches import collate
+    from megatron_md.training.data.datasets import build_gpt_datasets
     from megatron_md.training.build import vocab_size_for
 
     t = cfg.training

@@ -1,6 +1,6 @@
 """Multi-rank probe: what the trainer really allocates, for ``megatron-md plan`` to be checked against.
 
-Run under torchrun (or plain python for world size 1) by ``tests/training/test_plan.py`` with a JSON list
+Run under torchrun (or plain python for world size 1) by ``tests/training/planning/test_plan.py`` with a JSON list
 of cases (``{"name", "model", "cli"}``: a preset and ``train`` config fields). For each case it builds the
 model and optimizer with megatron_md's own builders, runs one forward (saved-tensor hooks count the bytes
 autograd keeps for backward), backward and optimizer step, then sums on each rank:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_md.training import config as C
-from megatron_md.training.run_logging import WANDB_ID_FILE, RunLogger, wandb_settings
+from megatron_md.training.observability.run_logging import WANDB_ID_FILE, RunLogger, wandb_settings
 
 
 def cfg(**logging):

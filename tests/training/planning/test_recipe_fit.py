@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from megatron_md.cli import main
-from megatron_md.training.plan_report import DEFAULT_HEADROOM, find_device
+from megatron_md.training.planning.report import DEFAULT_HEADROOM, find_device
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "megatron_md" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "megatron_md" / "examples"
 RECIPES = sorted(EXAMPLES.rglob("*.yaml"))
 
 

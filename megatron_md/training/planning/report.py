@@ -1,6 +1,6 @@
 """``megatron-md plan``'s costs and report: FLOPs and communication of one step, the fit verdict, the table.
 
-Memory and activations: ``plan.py``. All per-device numbers are for the worst pipeline stage.
+Memory and activations: ``memory.py``. All per-device numbers are for the worst pipeline stage.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from megatron_md.mcore.families import family_of
 from megatron_md.models.builder import padded_vocab_size
 from megatron_md.models.presets import count_parameters
 from megatron_md.parallel.orthogonalize import msign_flops
-from megatron_md.training import plan as P
-from megatron_md.training.throughput import model_flops_per_step
+from megatron_md.training.planning import memory as P
+from megatron_md.training.observability.throughput import model_flops_per_step
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -31,8 +31,9 @@ from megatron_md.mcore.optimizer_checkpoint import (
     layer_wise_groups_from_config,
     prepare_for_load,
 )
-from megatron_md.training.ckpt_integrity import LATEST, iter_dir, latest_iteration, verify_checkpoint, write_manifest
-from megatron_md.training.preemption import maybe_delay_save
+from megatron_md.training.checkpoints.integrity import (LATEST, iter_dir, latest_iteration, verify_checkpoint,
+                                                       write_manifest)
+from megatron_md.training.checkpoints.preemption import maybe_delay_save
 
 RUN_CONFIG = "run_config.yaml"
 # megatron's byte-sharded DistributedOptimizer (adam): 'dp_reshardable' writes each rank's buffer
@@ -195,7 +196,7 @@ def save_checkpoint(
             (partial / RUN_CONFIG).write_text(run_config_yaml)
             import yaml
 
-            from megatron_md.training.tokenizer import save_tokenizer_files
+            from megatron_md.training.data.tokenizer import save_tokenizer_files
 
             # which tokenizer files to keep: the run config's data section (SentencePiece, HF, GPT-2 BPE)
             data = (yaml.safe_load(run_config_yaml) or {}).get("data") or {}

@@ -35,7 +35,7 @@ def kit(tmp_path_factory):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from megatron_md.corpus import CORPUS_PATH
-    from megatron_md.training.tokenizer import iter_texts
+    from megatron_md.training.data.tokenizer import iter_texts
 
     d = tmp_path_factory.mktemp("tok")
     docs = [t[:600] for t in islice(iter_texts(CORPUS_PATH), 300)]
@@ -57,7 +57,7 @@ def kit(tmp_path_factory):
 
 
 def test_kinds_detected_and_ids_match_the_tokenizers_library(kit):
-    from megatron_md.training.tokenizer import build_tokenizer, resolve_tokenizer_type
+    from megatron_md.training.data.tokenizer import build_tokenizer, resolve_tokenizer_type
 
     assert resolve_tokenizer_type(None, kit.hf_json) == resolve_tokenizer_type(None, kit.hf_dir) == "HuggingFaceTokenizer"
     assert resolve_tokenizer_type(None, None, kit.vocab, kit.merges) == "GPT2BPETokenizer"
@@ -76,7 +76,7 @@ def test_kinds_detected_and_ids_match_the_tokenizers_library(kit):
 
 
 def test_bad_tokenizer_flags_name_the_flag_and_the_fix(kit, tmp_path):
-    from megatron_md.training.tokenizer import build_tokenizer, tokenizer_errors
+    from megatron_md.training.data.tokenizer import build_tokenizer, tokenizer_errors
 
     sp_like = tmp_path / "m.model"
     sp_like.write_bytes(b"\x0a\x05hello")  # protobuf bytes, not JSON
@@ -102,7 +102,7 @@ def test_gpt2_files_kept_with_a_checkpoint_and_written_for_hf(kit, tmp_path):
 
     from megatron_md.convert.hf_tokenizer import write_hf_tokenizer
     from megatron_md.training.config import DataConfig
-    from megatron_md.training.tokenizer import save_tokenizer_files, tokenizer_for_data, use_checkpoint_tokenizer
+    from megatron_md.training.data.tokenizer import save_tokenizer_files, tokenizer_for_data, use_checkpoint_tokenizer
 
     d = DataConfig(data_path=["P"], vocab_file=kit.vocab, merge_file=kit.merges)
     assert save_tokenizer_files(d, tmp_path) == ["tokenizer/vocab.json", "tokenizer/merges.txt"]
@@ -134,8 +134,8 @@ def test_fit_vocab_padding_for_imported_vocabularies():
 # megatron-core's IndexedDataset.__del__ complains about the half-built object a bad header leaves
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_idx_read_by_megatron_core_and_damage_is_named(kit, tmp_path):
-    from megatron_md.training.data import read_sequence_lengths
-    from megatron_md.training.preprocess import preprocess
+    from megatron_md.training.data.datasets import read_sequence_lengths
+    from megatron_md.training.data.preprocess import preprocess
 
     preprocess(kit.dir / "docs.jsonl", tmp_path / "p", tokenizer_model=kit.hf_json, append_eod=True, log=None)
     prefix = str(tmp_path / "p_text_document")
@@ -156,7 +156,7 @@ def test_idx_read_by_megatron_core_and_damage_is_named(kit, tmp_path):
 def flow(kit):
     """Preprocess with HF (library) and GPT-2 BPE (tools/preprocess_data.py); train with the HF tokenizer,
     saving a checkpoint. One training shared by the tests below."""
-    from megatron_md.training.preprocess import preprocess
+    from megatron_md.training.data.preprocess import preprocess
 
     d = kit.dir
     preprocess(d / "docs.jsonl", d / "hf", tokenizer_model=kit.hf_dir, append_eod=True, log=None)

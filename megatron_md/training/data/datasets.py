@@ -223,7 +223,7 @@ def validate_data(
 def as_megatron_tokenizer(tokenizer=None, vocab_size: int | None = None):
     """A megatron-core tokenizer (``build_tokenizer``) passes through; None becomes megatron-core's
     NullTokenizer of ``vocab_size`` (mock data needs no tokenizer file)."""
-    from megatron_md.training.tokenizer import build_tokenizer
+    from megatron_md.training.data.tokenizer import build_tokenizer
 
     if tokenizer is None:
         if vocab_size is None:
@@ -315,8 +315,8 @@ def prepare_demo_data(work_dir: Path, vocab_size: int = 4096, log=print) -> tupl
     Call it from one process (the CLI does, before launching ranks).
     """
     from megatron_md.corpus import CORPUS_PATH
-    from megatron_md.training.preprocess import preprocess
-    from megatron_md.training.tokenizer import _file_md5, train_sentencepiece
+    from megatron_md.training.data.preprocess import preprocess
+    from megatron_md.training.data.tokenizer import _file_md5, train_sentencepiece
 
     log = log or (lambda *_: None)
     work = Path(work_dir)
