@@ -112,7 +112,8 @@ def set_block_(t: torch.Tensor, blk: Block, value: torch.Tensor) -> None:
             t.copy_(value)
     elif blk.grouped is not None:
         view = block_view(t, blk)
-        view.copy_(value.view(view.shape))
+        if value.data_ptr() != view.data_ptr():  # a one-group block is a view of t already
+            view.copy_(value.view(view.shape))
     else:
         t.index_copy_(0, blk.rows, value)
 
