@@ -93,11 +93,12 @@ class Reference:
     def __init__(self, W0, base, lr, gains_lr, sphere_blocks, update_blocks, geo, ns=(5, "quintic"),
                  normalize=False, tangent=False, preserve=False):
         self.base, self.lr, self.gains_lr, self.geo, self.ns = base, lr, gains_lr, geo, ns
-        self.sphere_blocks, self.update_blocks, self.normalize, self.tangent = sphere_blocks, update_blocks, normalize, tangent
+        self.sphere_blocks, self.update_blocks = sphere_blocks, update_blocks
+        self.normalize, self.tangent = normalize, tangent
         W0 = W0.double()
         m, n = W0.shape
         rho0 = PHI_INV(torch.ones((), dtype=torch.float64)).item()
-        self.rho = {"row": torch.full((m,), rho0, dtype=torch.float64), "col": torch.full((n,), rho0, dtype=torch.float64)}
+        self.rho = {a: torch.full((k,), rho0, dtype=torch.float64) for a, k in (("row", m), ("col", n))}
         if preserve == "sinkhorn":  # W0 = diag(1/a)·Π(W0)·diag(1/b): the divisors go into the gains
             self.W_hat, a, b = sinkhorn_ref(W0, geo["sphere"], geo.get("iters", 10), geo.get("ball", False))
             self.rho = {"row": PHI_INV(1 / a.reshape(-1)), "col": PHI_INV(1 / b.reshape(-1))}
@@ -150,9 +151,6 @@ class Reference:
             self.rho[a] = self.rho[a] - self.gains_lr * m_hat / (v_hat.sqrt() + 1e-8)
 
 
-GEO_KEYS = ("sphere", "sphere_kind", "ball", "radius_scale", "sphere_iters")
-
-
 def spiked(shape, seed, sigma=4.0):
     """A matrix with a clear top singular value, so power iteration converges well within 10 steps."""
     g = torch.Generator().manual_seed(seed)
@@ -171,10 +169,12 @@ def _pair(base, shape=(48, 80), seed=0, lr=None, gains_lr=0.05, W0=None, ns=(5, 
     geo = {"sphere": opts.get("sphere", "flat"), "kind": opts.get("sphere_kind", "l2"),
            "ball": opts.get("ball", False), "radius_scale": opts.get("radius_scale", 1.0),
            "iters": opts.get("sphere_iters", 10)}
+    preserve = opts.get("preserve_init", False) and ("sinkhorn" if geo["sphere"] in ("rowcol", "invrowcol", "equi")
+                                                     else True)
     ref = Reference(W0, base, lr, gains_lr, heads if opts.get("split_heads") else qkv,
                     heads if opts.get("split_heads_update") else qkv, geo, ns=ns,
                     normalize=opts.get("normalize_update", False), tangent=opts.get("tangent_grad", False),
-                    preserve=opts.get("preserve_init", False) and ("sinkhorn" if geo["sphere"] in ("rowcol", "invrowcol", "equi") else True))
+                    preserve=preserve)
     p = torch.nn.Parameter(W0.clone())
     group = {"params": [p], "ns_steps": ns[0], "ns_coefficients": ns[1]}
     if base == "adam":
@@ -225,7 +225,8 @@ CASES = {
     "heads-spectral": (dict(split_heads=True, sphere_kind="spectral", sphere_iters=40, **QKV),
                        dict(shape=(128, 64), W0=spiked((128, 64), 3, sigma=12.0))),
     "heads-orthogonal": (dict(split_heads=True, sphere_kind="orthogonal", **QKV), dict(shape=(128, 64), ns=PE)),
-    "heads-ball": (dict(split_heads=True, ball=True, head_dim=16, **QKV), dict(shape=(128, 64), W0=torch.randn(128, 64) * 0.2)),
+    "heads-ball": (dict(split_heads=True, ball=True, head_dim=16, **QKV),
+                   dict(shape=(128, 64), W0=torch.randn(128, 64) * 0.2)),
 }
 MUON_ONLY = {
     "heads-update": dict(split_heads_update=True, **QKV),
@@ -342,7 +343,8 @@ def test_ball_never_grows_and_keeps_inside_points(geo):
             assert out.norm(dim=1).max() <= 1 + 1e-6 and out.norm(dim=0).max() <= 1 + 1e-6
         sphere = project_direction_(X.clone(), blocks, Geometry(geo.mode, geo.kind, False, geo.radius_scale))
         if geo.mode in ("flat",):  # a single norm: inside it is left alone, outside it lands on the sphere
-            inside = (torch.linalg.matrix_norm(X, ord=2) if geo.kind == "spectral" else X.norm()) <= geo.radius((48, 80))
+            norm = torch.linalg.matrix_norm(X, ord=2) if geo.kind == "spectral" else X.norm()
+            inside = norm <= geo.radius((48, 80))
             torch.testing.assert_close(out, X if inside else sphere, rtol=1e-5, atol=1e-7)
     small = torch.randn(48, 80) * 1e-3  # inside every ball here: bit-for-bit unchanged
     assert torch.equal(project_direction_(small.clone(), blocks, geo), small)
@@ -459,7 +461,8 @@ SHARDED = {
     "qkv-spectral-rows": (Geometry("flat", "spectral", iters=30), SPLIT, False, 0),
     "heads-flat-rows": (Geometry("flat"), SPLIT, True, 0),
     "heads-rowcol-cols": (Geometry("rowcol"), SPLIT, True, 1),
-    "heads-orthogonal-rows": (Geometry("flat", "orthogonal", ns_steps=10, ns_coefficients="polar_express"), SPLIT, True, 0),
+    "heads-orthogonal-rows": (Geometry("flat", "orthogonal", ns_steps=10, ns_coefficients="polar_express"),
+                              SPLIT, True, 0),
 }
 
 
