@@ -8,7 +8,8 @@ Options of the authors' code (docs/optimizers.md §1.2-1.4): gains per row and c
 (``flat``) or ``embed`` (row gains, column gains on out-projections); parametrisations softplus / direct /
 offset / exp; ``preserve_init`` (gains seeded with the initial norms instead of projecting the weights);
 the tangential gradient (``tangent_grad``, ``--hs-p``) and the update normalised onto the sphere
-(``normalize_update``, ``--hs-u``).
+(``normalize_update``, ``--hs-u``); the Sinkhorn spheres, the spectral and orthogonal sphere kinds, the ball
+and per-head spheres and Newton-Schulz (``geometry.py``).
 
 Every reduction over a matrix axis goes through a ``Reducer`` (``sphere.py``) so the same code runs on
 tensor-parallel shards: a TP subclass all-reduces the partial sums when the reduced axis is sharded and
@@ -27,14 +28,15 @@ import torch.nn.functional as F
 
 from .adam import adam_
 from .blocks import Block, get_block, matrix_blocks
+from .geometry import SINKHORN, SPHERE_KINDS, Geometry, project_direction_, sphere_factors
 from .msign import msign, scale_factor
-from .sphere import LOCAL_REDUCER, Reducer, blocks_sphere_scale, project_blocks_, tangent_
+from .sphere import LOCAL_REDUCER, Reducer, blocks_sphere_scale, tangent_
 
 if TYPE_CHECKING:  # bases.py imports MDHyperParams from here at run time
     from .bases import BaseUpdate
 
 MaybeTensor = torch.Tensor | None
-SPHERES = ("flat", "row", "col", "embed")
+SPHERES = ("flat", "row", "col", "embed", *SINKHORN)
 GAIN_MODES = ("rowcol", "row", "col", "flat", "embed", "none")
 GAIN_AXES = ("row", "col", "flat")  # state keys rho_<axis>, exp_avg_<axis>, exp_avg_sq_<axis>
 DIRECTION_CLAMP = 1e-8  # floor of each gain when undoing the gains
@@ -119,6 +121,12 @@ class MDHyperParams:
     preserve_init: bool = False  # seed the gains with the initial norms instead of projecting the weights
     tangent_grad: bool = False  # --hs-p: drop Ĝ's radial component at Ŵ before the base update
     normalize_update: bool = False  # --hs-u: put the base update on Ŵ's sphere before the step
+    sphere_kind: str = "l2"  # flat sphere's norm: l2 (Frobenius), spectral, orthogonal (Ŵ = r·msign(Ŵ))
+    sphere_iters: int = 10  # Sinkhorn sweeps (rowcol, invrowcol) and power iterations (spectral)
+    ball: bool = False  # shrink onto the sphere only from outside: ‖Ŵ‖ <= r instead of = r
+    split_heads: bool = False  # fused QKV: a sphere per attention head instead of per Q/K/V block
+    split_heads_update: bool = False  # fused QKV: Newton-Schulz per attention head (Muon base)
+    head_dim: int | None = None  # rows per head for split_heads*; None: kv_channels from qkv_split_shapes
     # Muon base
     momentum: float = 0.95
     nesterov: bool = True
@@ -147,6 +155,11 @@ class MDHyperParams:
         return ("col" if self.out_proj else "row") if self.sphere == "embed" else self.sphere
 
     @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.sphere_mode, self.sphere_kind, self.ball, self.radius_scale, self.sphere_iters,
+                        self.ns_steps, self.ns_coefficients)
+
+    @property
     def gains_mode(self) -> str:
         """The gains of this group's matrices: ``embed`` resolved like ``sphere_mode``."""
         return ("col" if self.out_proj else "row") if self.gains == "embed" else self.gains
@@ -164,6 +177,29 @@ class MDHyperParams:
         split = self.qkv_split_shapes
         if split is not None and (len(split) != 3 or min(split) <= 0):
             raise ValueError(f"qkv_split_shapes must be three positive row counts, got {split}")
+        self._validate_geometry()
+
+    def _validate_geometry(self) -> None:
+        kind = self.sphere_kind
+        if kind not in SPHERE_KINDS:
+            raise ValueError(f"unknown sphere_kind {kind!r}; choose one of {SPHERE_KINDS}")
+        if kind != "l2" and self.sphere != "flat":
+            raise ValueError(f"sphere_kind={kind!r} fixes a norm of the whole matrix (block, head), so it needs "
+                             f"sphere='flat', got sphere={self.sphere!r}")
+        if not isinstance(self.sphere_iters, int) or self.sphere_iters < 1:
+            raise ValueError(f"sphere_iters (Sinkhorn sweeps, power iterations) must be an integer >= 1, "
+                             f"got {self.sphere_iters!r}")
+        if self.ball and kind == "orthogonal":
+            raise ValueError("ball shrinks a norm down to the radius, but sphere_kind='orthogonal' sets every "
+                             "singular value, which has no inside; drop ball or use sphere_kind 'l2' or 'spectral'")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
+            raise ValueError(f"head_dim must be a positive integer (kv_channels), got {self.head_dim!r}")
+        if self.tangent_grad and (kind != "l2" or self.sphere in SINKHORN):
+            raise ValueError(f"tangent_grad removes the radial part on the l2 flat, row and column spheres only; "
+                             f"sphere={self.sphere!r} with sphere_kind={kind!r} has no tangent projection here")
+        if self.preserve_init and kind == "orthogonal":
+            raise ValueError("preserve_init keeps the initial magnitudes in the gains, but sphere_kind='orthogonal' "
+                             "changes the singular values, which no gains can hold; drop one of them")
 
     @property
     def effective_gains_weight_decay(self) -> float:
@@ -271,11 +307,20 @@ def preserved_gains(W: torch.Tensor, blocks: list[Block], hp: MDHyperParams,
     blocks) or a column factor (col sphere); the gains are ``1/s`` on the axis that can hold it (row gains win
     for a scalar under ``rowcol``). Returns ``(γ_r or the flat γ, γ_c)``; the other axis stays at 1.
     """
-    mode, gains = hp.sphere_mode, hp.gains_mode
-    if mode == "col" and len(blocks) > 1:
-        raise ValueError("preserve_init cannot hold per-block column norms of a fused QKV matrix in one column "
-                         "gain; use the flat or row sphere with preserve_init")
-    s = blocks_sphere_scale(W.to(torch.float32), blocks, mode, reducer, hp.radius_scale)
+    mode, gains, geo = hp.sphere_mode, hp.gains_mode, hp.geometry
+    if mode in ("col", *SINKHORN) and len(blocks) > 1:
+        raise ValueError(f"preserve_init cannot hold per-block (or per-head) column norms of a fused QKV matrix in "
+                         f"one column gain; use the flat or row sphere with preserve_init, not {mode!r}")
+    if geo.plain(blocks):
+        s = blocks_sphere_scale(W.to(torch.float32), blocks, mode, reducer, hp.radius_scale)
+    else:  # Sinkhorn: a row and a column factor, held by the row and column gains
+        s, s_col = sphere_factors(W.to(torch.float32, copy=True), blocks, geo, reducer)
+        if s is not None and s_col is not None:
+            if gains != "rowcol":
+                raise ValueError(f"preserve_init on the {mode} sphere keeps a norm per row and per column, which "
+                                 f"needs rowcol gains; the group has gains={hp.gains!r}")
+            return s.reciprocal().reshape(-1), s_col.reciprocal().reshape(-1)
+        s = s_col if s is None else s
     inv = s.reciprocal()
     m, n = W.shape
     if s.ndim == 0:
@@ -305,6 +350,18 @@ def resolve_split_shapes(p: torch.Tensor, hp: MDHyperParams) -> tuple[int, int, 
     return None if split is None else tuple(int(s) for s in split)  # type: ignore[return-value]
 
 
+def md_blocks(p: torch.Tensor, hp: MDHyperParams,
+              reducer: Reducer = LOCAL_REDUCER) -> tuple[list[Block], list[Block]]:
+    """(update blocks, sphere blocks) of ``p``: its Q/K/V blocks (or the whole matrix), or one block per
+    attention head for the update with ``split_heads_update`` and for the sphere with ``split_heads``."""
+    split = resolve_split_shapes(p, hp)
+    blocks = matrix_blocks(p.shape, split, reducer, p.device)
+    if split is None or not (hp.split_heads or hp.split_heads_update):
+        return blocks, blocks
+    heads = matrix_blocks(p.shape, split, reducer, p.device, hp.head_dim, per_head=True)
+    return (heads if hp.split_heads_update else blocks), (heads if hp.split_heads else blocks)
+
+
 @dataclass
 class MDPrepared:
     """A matrix between the phases: its base direction (blocks awaiting msign for Muon) and gain gradients."""
@@ -312,7 +369,8 @@ class MDPrepared:
     direction: torch.Tensor
     d_row: MaybeTensor  # the flat gain's gradient when the gains are flat
     d_col: MaybeTensor
-    blocks: list[Block]
+    blocks: list[Block]  # the update's blocks (msign, scale factors)
+    sphere_blocks: list[Block] | None = None  # the sphere's blocks, when they differ
 
     def blocks_to_orthogonalize(self) -> list[tuple[torch.Tensor, tuple[int, int]]]:
         """``(block of the direction, its global shape)`` for each block (Muon base)."""
@@ -323,12 +381,15 @@ class MDPrepared:
 def md_prepare(
     p: torch.Tensor, grad: torch.Tensor, state: dict, hp: MDHyperParams, base: BaseUpdate,
     reducer: Reducer = LOCAL_REDUCER, blocks: list[Block] | None = None,
+    sphere_blocks: list[Block] | None = None,
 ) -> MDPrepared:
     """Phases 1-5 (docs/optimizers.md §1.4): gain gradients with the OLD gains through φ', the direction
-    gradient Ĝ and the base direction (momentum, or Adam moments). ``p`` and the gains are not changed."""
+    gradient Ĝ and the base direction (momentum, or Adam moments). ``p`` and the gains are not changed.
+    ``blocks`` / ``sphere_blocks``: the update's and the sphere's blocks (``md_blocks``), if known."""
     gp = gain_param(hp.gain_param, hp.gmin)
-    if blocks is None:
-        blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), reducer, p.device)
+    if blocks is None or (sphere_blocks is None and (hp.split_heads or hp.split_heads_update)):
+        blocks, sphere_blocks = md_blocks(p, hp, reducer)
+    sphere_blocks = blocks if sphere_blocks is None else sphere_blocks
     G = grad.to(torch.float32)
     g_row, g_col = current_gains(state, hp)
     d_row, d_col, work = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer)
@@ -344,8 +405,8 @@ def md_prepare(
         G_hat = G.clone() if base.writes_direction_grad or (hp.tangent_grad and G is grad) else G
         scratch = G_hat if G_hat is not G else None
     if hp.tangent_grad:  # --hs-p: only the part of Ĝ that turns Ŵ on its sphere
-        tangent_(G_hat, recover_direction(p.to(torch.float32), g_row, g_col), blocks, hp.sphere_mode, reducer)
-    return MDPrepared(base.direction(G_hat, state, hp, scratch), d_row, d_col, blocks)
+        tangent_(G_hat, recover_direction(p.to(torch.float32), g_row, g_col), sphere_blocks, hp.sphere_mode, reducer)
+    return MDPrepared(base.direction(G_hat, state, hp, scratch), d_row, d_col, blocks, sphere_blocks)
 
 
 @torch.no_grad()
@@ -363,13 +424,17 @@ def md_finish_(
         W_hat = recover_direction(p.to(torch.float32), g_row, g_col)
     if hp.weight_decay:
         W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
+    geo, sphere_blocks = hp.geometry, prep.sphere_blocks or prep.blocks
     if hp.normalize_update:  # --hs-u: the update itself on Ŵ's sphere, so the relative step is lr exactly
         U = torch.zeros_like(W_hat)
         base.descend_(U, prep.direction, state, dataclasses.replace(hp, lr=-1.0), prep.blocks, orthogonalized)
-        W_hat.sub_(project_blocks_(U, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale), alpha=hp.lr)
+        W_hat.sub_(project_direction_(U, sphere_blocks, geo, reducer), alpha=hp.lr)
     else:
         base.descend_(W_hat, prep.direction, state, hp, prep.blocks, orthogonalized)
-    scale = blocks_sphere_scale(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
+    if geo.plain(sphere_blocks):
+        scale, scale_col = blocks_sphere_scale(W_hat, sphere_blocks, hp.sphere_mode, reducer, hp.radius_scale), None
+    else:  # None where absent; parts no factor holds are already applied to W_hat
+        scale, scale_col = sphere_factors(W_hat, sphere_blocks, geo, reducer)
 
     if prep.d_row is not None or prep.d_col is not None:
         state["gain_step"] += 1
@@ -385,9 +450,12 @@ def md_finish_(
                 rho.clamp_min_(gp.rho_floor)
         g_row, g_col = current_gains(state, hp)
 
-    # Sphere and new gains in one write: W = diag(γ_r)·(s ⊙ Ŵ)·diag(γ_c); s is a scalar, a row or a column factor.
+    # Sphere and new gains in one write: W = diag(γ_r)·(s ⊙ Ŵ)·diag(γ_c); s is a scalar, a row or a column factor
+    # (and a Sinkhorn sphere's column factor in scale_col).
     row, col = g_row, g_col
-    if scale.ndim == 2 and scale.shape[1] == 1:
+    if scale is None:
+        pass
+    elif scale.ndim == 2 and scale.shape[1] == 1:
         row = scale if row is None else scale * (row.unsqueeze(1) if row.ndim == 1 else row)
     elif scale.ndim == 2:
         col = scale if col is None else scale * col.unsqueeze(0)
@@ -397,6 +465,8 @@ def md_finish_(
         col = col * scale
     else:
         row = scale
+    if scale_col is not None:
+        col = scale_col if col is None else scale_col * (col.unsqueeze(0) if col.ndim == 1 else col)
     out = p if p.dtype == torch.float32 else None
     res = _scaled(W_hat, row, col, out=out)
     if out is None:
@@ -413,9 +483,10 @@ def md_step_(
     reducer: Reducer = LOCAL_REDUCER,
     orthogonalize: Orthogonalize | None = None,
     blocks: list[Block] | None = None,
+    sphere_blocks: list[Block] | None = None,
 ) -> None:
     """One MD step on matrix ``p`` in place, docs/optimizers.md §1.4 in order. ``state`` must be initialised."""
-    prep = md_prepare(p, grad, state, hp, base, reducer, blocks)
+    prep = md_prepare(p, grad, state, hp, base, reducer, blocks, sphere_blocks)
     orth = None
     if base.orthogonalizes:
         fn = orthogonalize or default_orthogonalize(hp)

@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import torch
 
 from .bases import AdamBase, BaseUpdate, LionBase, MuonBase, SoapBase
-from .blocks import Block, matrix_blocks
+from .blocks import Block
+from .geometry import project_direction_
 from .md import (
     MDHyperParams,
     Orthogonalize,
@@ -25,13 +26,13 @@ from .md import (
     default_orthogonalize,
     init_md_state,
     matrix_params,
+    md_blocks,
     md_finish_,
     md_prepare,
     preserved_gains,
     recover_direction,
-    resolve_split_shapes,
 )
-from .sphere import LOCAL_REDUCER, Reducer, project_blocks_
+from .sphere import LOCAL_REDUCER, Reducer
 
 
 class MDOptimizer(torch.optim.Optimizer):
@@ -45,7 +46,7 @@ class MDOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], defaults: dict, base: BaseUpdate):
         self.base = base  # set before super().__init__, which calls add_param_group
-        self._blocks: dict[torch.Tensor, list[Block]] = {}
+        self._blocks: dict[torch.Tensor, tuple[list[Block], list[Block]]] = {}  # (update, sphere) blocks
         self._seeds: dict[torch.Tensor, tuple] = {}  # preserve_init gains awaiting a lazily made state
         super().__init__(params, defaults)
 
@@ -69,6 +70,9 @@ class MDOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         hp = MDHyperParams.from_group(group)
         hp.validate()
+        if hp.split_heads_update and not self.base_for(hp).orthogonalizes:
+            raise ValueError(f"split_heads_update splits the Newton-Schulz orthogonalisation per attention head; "
+                             f"the {type(self.base_for(hp)).__name__} has none (use MuonMD, or drop it)")
         with torch.no_grad():
             for p in group["params"]:
                 self._init_param(p, hp, project=True, state=not self.lazy_state)
@@ -77,17 +81,17 @@ class MDOptimizer(torch.optim.Optimizer):
         """``project``: put ``p`` on its sphere (or, with ``preserve_init``, keep ``p`` and put its magnitudes
         in the gains); ``state``: make the optimizer state now (else on the first step)."""
         if project and hp.preserve_init:
-            self._seeds[p] = preserved_gains(p.data, self._param_blocks(p, hp), hp, self.reducer_for(p))
+            self._seeds[p] = preserved_gains(p.data, self._param_blocks(p, hp)[1], hp, self.reducer_for(p))
         elif project:
-            project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere_mode, self.reducer_for(p), hp.radius_scale)
+            project_direction_(p.data, self._param_blocks(p, hp)[1], hp.geometry, self.reducer_for(p))
         if state and not self.state.get(p):
             init_md_state(p, self.state[p], hp, self.base_for(hp), self._seeds.pop(p, None))
 
-    def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> list[Block]:
+    def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> tuple[list[Block], list[Block]]:
+        """(update blocks, sphere blocks) of ``p`` (``md.md_blocks``), cached."""
         blocks = self._blocks.get(p)
         if blocks is None:
-            blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), self.reducer_for(p), p.device)
-            self._blocks[p] = blocks
+            blocks = self._blocks[p] = md_blocks(p, hp, self.reducer_for(p))
         return blocks
 
     # --- step ------------------------------------------------------------------------------------
@@ -129,7 +133,7 @@ class MDOptimizer(torch.optim.Optimizer):
                 if not self.state[p]:  # e.g. state dropped by a load without optimizer state
                     self._init_param(p, hp, project=False)
                 r = self.reducer_for(p)
-                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, self._param_blocks(p, hp))
+                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, *self._param_blocks(p, hp))
                 if base.orthogonalizes:
                     waiting.append((p, hp, base, r, prep))
                 else:
@@ -267,7 +271,8 @@ class SoapMD(MDOptimizer):
 
 
 OPTIONS = ("sphere", "gains", "gain_param", "gmin", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
-           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update")
+           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update", "sphere_kind",
+           "sphere_iters", "ball", "split_heads", "split_heads_update", "head_dim")
 
 
 def md_options(options: dict) -> dict:
