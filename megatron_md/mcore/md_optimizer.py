@@ -26,12 +26,13 @@ from megatron_md.mcore import compat, naming
 from megatron_md.mcore.families import MD_OPTIMIZERS
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
-from megatron_md.optim.md import GAIN_AXES, MDHyperParams
+from megatron_md.optim.gains import GAIN_AXES, LOWRANK_AXES
+from megatron_md.optim.md import MDHyperParams
 from megatron_md.optim.muon_md import MDOptimizer
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
 
-GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
+GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES + LOWRANK_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
 # state that does not have its parameter's shape: megatron's checkpoint cannot hold it (md_checkpoint.py does)
 SIDE_KEYS = GAIN_KEYS + tuple(k for b in BASES.values() for k in b.side_state)
 

@@ -1,11 +1,11 @@
-"""Optimizers of megatron_md: Magnitude-Direction decoupling (MuonMD, AdamMD), module-wise Manifold Muon
-(ManifoldMuon, ``manifolds``), the geometry policy, and their building blocks.
+"""Optimizers of megatron_md: Magnitude-Direction decoupling (MuonMD, AdamMD, LionMD, SoapMD), module-wise Manifold Muon (ManifoldMuon, ``manifolds``), the geometry policy, and their building blocks.
 
 Pure torch (no megatron, no torch.distributed): tensor-parallel glue plugs in through ``Reducer`` and
 ``MDOptimizer.reducer_for`` / ``orthogonalizer_for``.
 """
 
-from .md import MDHyperParams, gain_param, md_step_
+from .md import MDHyperParams, md_step_
+from .gains import gain_param
 from .blocks import qkv_row_index
 from .sphere import Reducer, project_
 from .msign import msign, scale_factor

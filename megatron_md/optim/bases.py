@@ -17,6 +17,7 @@ from .adam import adam_direction, adam_moments_and_denominator, adam_step_size
 from .blocks import Block, add_block_, get_block
 from .md import MDHyperParams
 from .msign import scale_factor
+from .sphere import LOCAL_REDUCER, Reducer
 
 
 class BaseUpdate:
@@ -24,7 +25,8 @@ class BaseUpdate:
 
     In phases: ``direction`` (state update, may reuse Ĝ's memory), then, when ``orthogonalizes``, every block of
     the direction goes through msign elsewhere (an engine may batch it across matrices and ranks), then
-    ``descend_`` subtracts ``lr·U`` from Ŵ.
+    ``descend_`` subtracts ``lr·U`` from Ŵ (``reducer``: sums over the matrix's axes, for a base that needs
+    norms of a tensor-parallel shard).
     """
 
     orthogonalizes = False
@@ -41,7 +43,8 @@ class BaseUpdate:
         raise NotImplementedError
 
     def descend_(self, W_hat: torch.Tensor, direction: torch.Tensor, state: dict, hp: MDHyperParams,
-                 blocks: Sequence[Block], orthogonalized: Sequence[torch.Tensor] | None) -> None:
+                 blocks: Sequence[Block], orthogonalized: Sequence[torch.Tensor] | None,
+                 reducer: Reducer = LOCAL_REDUCER) -> None:
         raise NotImplementedError
 
 
@@ -60,7 +63,7 @@ class MuonBase(BaseUpdate):
         buf.lerp_(g_hat, 1.0 - hp.momentum)
         return g_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
 
-    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
         for blk, O in zip(blocks, orthogonalized):
             add_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
 
@@ -83,7 +86,7 @@ class AdamBase(BaseUpdate):
         return adam_moments_and_denominator(g_hat, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
                                             hp.betas, hp.eps, out=scratch)
 
-    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
         W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
 
 
@@ -110,7 +113,8 @@ class LionBase(BaseUpdate):
         m.lerp_(g_hat, 1.0 - b2)
         return u.sign_()
 
-    def descend_(self, W_hat, direction, state, hp, blocks: Sequence[Block], orthogonalized) -> None:
+    def descend_(self, W_hat, direction, state, hp, blocks: Sequence[Block], orthogonalized,
+                 reducer=LOCAL_REDUCER) -> None:
         for blk in blocks:
             add_block_(W_hat, blk, get_block(direction, blk), -hp.lr * sign_scale(blk.shape))
 
@@ -166,7 +170,7 @@ class SoapBase(BaseUpdate):
         update = adam_direction(rotated, state["exp_avg"], state["exp_avg_sq"], t, hp.betas, hp.eps)
         return precondition(update, Q, dims=[[0], [1]])
 
-    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
         W_hat.add_(direction, alpha=-hp.lr)
 
 

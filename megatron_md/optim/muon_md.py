@@ -23,6 +23,7 @@ from .md import (
     Orthogonalize,
     current_gains,
     default_orthogonalize,
+    gain_split,
     init_md_state,
     matrix_params,
     md_finish_,
@@ -81,7 +82,7 @@ class MDOptimizer(torch.optim.Optimizer):
         elif project:
             project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere_mode, self.reducer_for(p), hp.radius_scale)
         if state and not self.state.get(p):
-            init_md_state(p, self.state[p], hp, self.base_for(hp), self._seeds.pop(p, None))
+            init_md_state(p, self.state[p], hp, self.base_for(hp), self._seeds.pop(p, None), self.reducer_for(p))
 
     def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> list[Block]:
         blocks = self._blocks.get(p)
@@ -147,13 +148,16 @@ class MDOptimizer(torch.optim.Optimizer):
         raise KeyError(f"parameter of shape {tuple(p.shape)} is not managed by this optimizer")
 
     def gains(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(γ_row, γ_col) after the parametrisation φ; None for an axis without gains."""
-        return current_gains(self.state[p], self._hp_of(p))
+        """(γ_row, γ_col) after the parametrisation φ; None for an axis without gains. Low-rank gains: the
+        ``[m, n]`` multiplier as γ_row; per-block Q/K/V column gains: a ``[q+k+v, n]`` pattern as γ_col (``gains.py``)."""
+        hp = self._hp_of(p)
+        return current_gains(self.state[p], hp, gain_split(p, hp))
 
     def direction(self, p: torch.Tensor) -> torch.Tensor:
         """Ŵ = W ⊘ (γ_r γ_cᵀ), the on-sphere direction of ``p`` (a new tensor)."""
         with torch.no_grad():
-            return recover_direction(p.detach().to(torch.float32), *self.gains(p))
+            clamp = not self._hp_of(p).gains_no_clamp
+            return recover_direction(p.detach().to(torch.float32), *self.gains(p), clamp=clamp)
 
 
 class MuonMD(MDOptimizer):
@@ -181,7 +185,6 @@ class MuonMD(MDOptimizer):
         gains_betas: tuple[float, float] = (0.9, 0.99),
         gains_eps: float = 1e-8,
         gains_weight_decay: float | None = None,
-        gmin: float = 1e-5,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         base: BaseUpdate | None = None,
         **options,
@@ -194,7 +197,7 @@ class MuonMD(MDOptimizer):
             lr=lr, gains_lr=gains_lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, scale_mode=scale_mode, sphere=sphere, gains=gains,
             gain_param=gain_param, weight_decay=weight_decay, gains_betas=tuple(gains_betas),
-            gains_eps=gains_eps, gains_weight_decay=gains_weight_decay, gmin=gmin,
+            gains_eps=gains_eps, gains_weight_decay=gains_weight_decay,
             qkv_split_shapes=qkv_split_shapes, **md_options(options),
         )
         super().__init__(params, defaults, base if base is not None else MuonBase())
@@ -221,7 +224,6 @@ class AdamMD(MDOptimizer):
         gains_betas: tuple[float, float] | None = None,
         gains_eps: float | None = None,
         gains_weight_decay: float | None = None,
-        gmin: float = 1e-5,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         base: BaseUpdate | None = None,
         **options,
@@ -233,7 +235,7 @@ class AdamMD(MDOptimizer):
             gain_param=gain_param, weight_decay=weight_decay,
             gains_betas=tuple(gains_betas if gains_betas is not None else betas),
             gains_eps=eps if gains_eps is None else gains_eps,
-            gains_weight_decay=gains_weight_decay, gmin=gmin, qkv_split_shapes=qkv_split_shapes,
+            gains_weight_decay=gains_weight_decay, qkv_split_shapes=qkv_split_shapes,
             **md_options(options),
         )
         super().__init__(params, defaults, base if base is not None else AdamBase())
@@ -266,8 +268,10 @@ class SoapMD(MDOptimizer):
         super().__init__(params, defaults, SoapBase())
 
 
-OPTIONS = ("sphere", "gains", "gain_param", "gmin", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
-           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update")
+OPTIONS = ("sphere", "gains", "gain_param", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
+           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update", "gains_min",
+           "gains_no_clamp", "gains_bias_correction", "split_qkv_gains", "gains_rank", "gains_lowrank_init_std",
+           "gains_lowrank_min", "gains_lowrank_seed")
 
 
 def md_options(options: dict) -> dict:
