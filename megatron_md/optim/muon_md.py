@@ -1,4 +1,4 @@
-"""MuonMD, AdamMD, LionMD and SoapMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py``
+"""MuonMD, AdamMD, LionMD, SoapMD, AdEMAMixMD and NormMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py``
 and a base update of ``bases.py`` (docs/optimizers.md §1).
 
 Each projects every managed matrix onto its sphere at construction and starts the gains at exactly 1,
@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .bases import AdamBase, BaseUpdate, LionBase, MuonBase, SoapBase
+from .bases import AdamBase, AdEMAMixBase, BaseUpdate, LionBase, MuonBase, NormalizedBase, SoapBase
 from .blocks import Block, matrix_blocks
 from .md import (
     MDHyperParams,
@@ -37,7 +37,7 @@ from .sphere import LOCAL_REDUCER, Reducer, project_blocks_
 
 class MDOptimizer(torch.optim.Optimizer):
     """MD decoupling around a pluggable base update (``bases.py``: ``MuonBase``, ``AdamBase``, ``LionBase``,
-    ``SoapBase``)."""
+    ``SoapBase``, ``AdEMAMixBase``, ``NormalizedBase``)."""
 
     # False: every matrix gets its state at construction. A subclass whose param groups are narrowed
     # after construction (a distributed optimizer handing each rank the matrices it owns) sets True:
@@ -266,6 +266,42 @@ class SoapMD(MDOptimizer):
         defaults = dict(lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, soap_shampoo_beta=shampoo_beta,
                         gains_betas=tuple(gains_betas), gains_eps=gains_eps, **md_options(options))
         super().__init__(params, defaults, SoapBase())
+
+
+class AdEMAMixMD(MDOptimizer):
+    """MD decoupling with an AdEMAMix base: Adam plus a slow EMA of the direction gradient added with weight
+    ``alpha`` (``beta3``; both can warm up over base steps, 0 = off). Gains use the matrices' betas and eps
+    unless ``gains_betas``/``gains_eps`` are given, as in AdamMD."""
+
+    def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8, beta3: float = 0.999,
+                 alpha: float = 5.0, beta3_warmup: int = 0, alpha_warmup: int = 0, *,
+                 gains_betas: tuple[float, float] | None = None, gains_eps: float | None = None, **options):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        defaults = dict(
+            lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, ademamix_beta3=beta3, ademamix_alpha=alpha,
+            ademamix_beta3_warmup=beta3_warmup, ademamix_alpha_warmup=alpha_warmup,
+            gains_betas=tuple(gains_betas if gains_betas is not None else betas),
+            gains_eps=eps if gains_eps is None else gains_eps, **md_options(options),
+        )
+        super().__init__(params, defaults, AdEMAMixBase())
+
+
+class NormMD(MDOptimizer):
+    """MD decoupling with the normalised-momentum base: MuonMD with each block of the (Nesterov) momentum put on
+    the direction's sphere instead of orthogonalised, then scaled by ``scale_mode`` like msign."""
+
+    def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3, momentum: float = 0.95,
+                 nesterov: bool = True, scale_mode: str = "shape_up", *,
+                 gains_betas: tuple[float, float] = (0.9, 0.99), gains_eps: float = 1e-8, **options):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        defaults = dict(lr=lr, gains_lr=gains_lr, momentum=momentum, nesterov=nesterov, scale_mode=scale_mode,
+                        gains_betas=tuple(gains_betas), gains_eps=gains_eps, **md_options(options))
+        super().__init__(params, defaults, NormalizedBase())
 
 
 OPTIONS = ("sphere", "gains", "gain_param", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
