@@ -176,8 +176,8 @@ class SoapBase(BaseUpdate):
 
 
 def _half_life(beta: float) -> float:
-    """Steps ``t`` with ``beta^(t+1) = 1/2``; the 1e-8 keeps ``beta = 0`` finite."""
-    return math.log(0.5) / math.log(beta + 1e-8) - 1.0
+    """Steps after which an EMA with factor ``beta`` has halved a sample: ``beta^h = 1/2`` (0 for ``beta = 0``)."""
+    return math.log(0.5) / math.log(beta) if beta > 0 else 0.0
 
 
 def ademamix_schedule(step: int | float, hp: MDHyperParams) -> tuple[float, float]:
@@ -189,7 +189,8 @@ def ademamix_schedule(step: int | float, hp: MDHyperParams) -> tuple[float, floa
         alpha *= step / hp.ademamix_alpha_warmup
     if step < hp.ademamix_beta3_warmup:
         frac = step / hp.ademamix_beta3_warmup
-        beta3 = 0.5 ** (1.0 / ((1.0 - frac) * _half_life(hp.betas[0]) + frac * _half_life(beta3) + 1.0))
+        h = (1.0 - frac) * _half_life(hp.betas[0]) + frac * _half_life(beta3)
+        beta3 = 0.5 ** (1.0 / h) if h > 0 else 0.0
     return alpha, beta3
 
 
