@@ -268,13 +268,13 @@ def md_prepare(
     gradient Ĝ and the base direction (momentum, or Adam moments). ``p`` and the gains are not changed."""
     if blocks is None:
         blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), reducer, p.device)
-    G = grad.to(torch.float32)
-    g_row, g_col = current_gains(state, hp, gain_split(p, hp))
+    G, split = grad.to(torch.float32), gain_split(p, hp)
+    g_row, g_col = current_gains(state, hp, split)
     if "rho_lowrank_a" in state:  # no φ: the factors are the raw state
         d_a, d_b, work = lowrank_grads(G, p.to(torch.float32), g_row, state, reducer)
         grads = {"lowrank_a": d_a, "lowrank_b": d_b}
     else:
-        d_row, d_col, work = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer, gain_split(p, hp))
+        d_row, d_col, work = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer, split)
         gp, grads = gain_param(hp.gain_param), {}
         for axis, d in (("flat" if "rho_flat" in state else "row", d_row), ("col", d_col)):
             if d is not None:

@@ -1,5 +1,5 @@
-"""MuonMD, AdamMD, LionMD, SoapMD, AdEMAMixMD and NormMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py``
-and a base update of ``bases.py`` (docs/optimizers.md §1).
+"""MuonMD, AdamMD, LionMD, SoapMD, AdEMAMixMD and NormMD: torch optimizers over 2-D matrices built on the MD phases
+of ``md.py`` and a base update of ``bases.py`` (docs/optimizers.md §1).
 
 Each projects every managed matrix onto its sphere at construction and starts the gains at exactly 1,
 so the first forward equals the projected model's. 1-D parameters (norm gains, biases) are refused:
@@ -149,7 +149,8 @@ class MDOptimizer(torch.optim.Optimizer):
 
     def gains(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(γ_row, γ_col) after the parametrisation φ; None for an axis without gains. Low-rank gains: the
-        ``[m, n]`` multiplier as γ_row; per-block Q/K/V column gains: a ``[q+k+v, n]`` pattern as γ_col (``gains.py``)."""
+        ``[m, n]`` multiplier as γ_row; per-block Q/K/V column gains: a ``[q+k+v, n]`` pattern as γ_col
+        (``gains.py``)."""
         hp = self._hp_of(p)
         return current_gains(self.state[p], hp, gain_split(p, hp))
 
