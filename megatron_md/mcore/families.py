@@ -122,7 +122,7 @@ class _EngineFamily(OptimizerFamily):
 
     keeps_weights_on_manifolds = True
     holds_md_groups = True
-    sections = ("md", "lion", "soap")  # OptimConfig sections the megatron config carries (family_configs.py)
+    sections = ("md", "lion", "soap", "ademamix")  # OptimConfig sections the megatron config carries (family_configs.py)
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
@@ -135,9 +135,23 @@ class _EngineFamily(OptimizerFamily):
         if o.md.md_preserve_init:
             sphere = "row" if o.md.md_sphere == "embed" else o.md.md_sphere
             holds = {"flat": ("rowcol", "row", "col", "flat", "embed"), "row": ("rowcol", "row", "embed"),
-                     "col": ("rowcol", "col")}[sphere]
+                     "col": ("rowcol", "col")}.get(sphere, ("rowcol",))  # Sinkhorn spheres: both axes
             need(o.md.md_gains in holds, f"--md-preserve-init keeps the initial norms in the gains, and on the "
                  f"{o.md.md_sphere} sphere that needs --md-gains {' or '.join(holds)} (got {o.md.md_gains})")
+        md, p = o.md, cfg.parallel
+        tp = max(p.tensor_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
+        need(md.md_sphere_kind == "l2" or md.md_sphere == "flat",
+             f"--md-sphere-kind {md.md_sphere_kind} fixes a norm of the whole matrix: it needs --md-sphere flat "
+             f"(got {md.md_sphere})")
+        need(md.md_sphere_kind != "orthogonal" or tp == 1,
+             "--md-sphere-kind orthogonal takes the polar factor of whole matrices, which tensor-parallel shards are "
+             f"not (TP {tp}); use --tensor-model-parallel-size 1 (and --expert-tensor-parallel-size 1) or another kind")
+        need(md.md_gains != "lowrank" or tp == 1,
+             f"--md-gains lowrank keeps factors of whole matrices and does not run on tensor-parallel shards (TP {tp}); "
+             "use --tensor-model-parallel-size 1 (and --expert-tensor-parallel-size 1) or other gains")
+        need(not md.md_split_heads_update or p.tensor_model_parallel_size == 1,
+             "--md-split-heads-update orthogonalises each head on the rank that holds it, which the Newton-Schulz "
+             "engine does not do across tensor-parallel ranks yet; use --tensor-model-parallel-size 1")
 
     def _tp_mode_check(self, cfg, need) -> None:
         o = cfg.optimizer
@@ -159,12 +173,13 @@ class _EngineFamily(OptimizerFamily):
     def _md_assignment(self, cfg, role: str, base: str) -> Assignment:
         o = cfg.optimizer
         if role == "embedding":
-            return Assignment("md", "adam", "none") if o.md.md_embedding_sphere != "none" else Assignment("base", "adam")
+            return (Assignment("md", o.md.md_embeddings_base, o.md.md_embedding_gains)
+                    if o.md.md_embedding_sphere != "none" else Assignment("base", "adam"))
         if role == "head":
-            return (Assignment("md", "adam", o.md.md_output_gains) if o.md.md_output_sphere != "none"
+            return (Assignment("md", o.md.md_embeddings_base, o.md.md_output_gains) if o.md.md_output_sphere != "none"
                     else Assignment("base", "adam"))
         if role == "router":
-            return Assignment("md", "muon", o.md.md_gains)
+            return Assignment("md", o.md.md_router_base, o.md.md_gains)
         return Assignment("md", base, o.md.md_gains)
 
 
@@ -174,8 +189,11 @@ class MDFamily(_EngineFamily):
         "adam_md": "MD decoupling with an Adam base update on the direction",
         "lion_md": "MD decoupling with a Lion base update on the direction",
         "soap_md": "MD decoupling with a SOAP base update on the direction",
+        "ademamix_md": "MD decoupling with an AdEMAMix base update (a fast and a slow EMA) on the direction",
+        "norm_md": "MD decoupling with the momentum normalised onto the sphere as the update (no Newton-Schulz)",
     }
-    BASES = {"muon_md": "muon", "adam_md": "adam", "lion_md": "lion", "soap_md": "soap"}
+    BASES = {"muon_md": "muon", "adam_md": "adam", "lion_md": "lion", "soap_md": "soap", "ademamix_md": "ademamix",
+             "norm_md": "norm"}
     # The MD paper's recipe, unless set explicitly: no weight decay, no warmup, linear decay.
     recipe = {"weight_decay": 0.0, "lr_warmup_iters": 0, "lr_decay_style": "linear", "clip_grad": 1.0}
 
@@ -219,7 +237,7 @@ class MDFamily(_EngineFamily):
 
     def ns_work(self, cfg, role: str):
         a = self.assign(cfg, role)
-        if a.base != "muon" or role in ("embedding", "head"):
+        if a.base != "muon":
             return None
         return 1, cfg.optimizer.muon.muon_num_ns_steps, False  # Q, K and V blocks apart
 
@@ -253,7 +271,7 @@ class PolicyHooks(RunHooks):
 
 class ManifoldFamily(_EngineFamily):
     names = {"manifold_muon": "module-wise Manifold Muon: each module's weights on the manifold --geometry gives it"}
-    sections = ("md", "lion", "soap", "manifold")
+    sections = ("md", "lion", "soap", "ademamix", "manifold")
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)

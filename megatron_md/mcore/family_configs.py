@@ -2,8 +2,8 @@
 knob, each field one flag with the name users type (``--md-sphere``, ``--manifold-mode``, ...).
 
 ``OptimConfig`` (training/config.py) holds the settings every optimizer shares plus one section of each class
-in ``SECTIONS``; the families read their own section (``cfg.optimizer.md``) and hand it on as the typed object
-it is (``MDOptimizerConfig.md``), never copied field by field. Imports neither torch nor megatron-core.
+in ``SECTIONS``; each family reads its own sections and hands them on to its megatron config as the same typed
+objects, never copied field by field. Imports neither torch nor megatron-core.
 """
 
 from __future__ import annotations
@@ -48,10 +48,46 @@ class MDConfig:
     matrix_lr: Optional[float] = opt(None, "MD: peak LR of hidden matrices (the angular step; default --lr).", valid=">0")
     embedding_lr: Optional[float] = opt(None, "MD: peak LR of the word embedding (default --lr).", valid=">0")
     gains_lr: float = opt(1e-3, "MD: peak LR of the row/column gains (Adam on raw gains).", valid=">=0")
-    md_sphere: str = opt("flat", "MD: sphere of hidden matrices (embed: row, column for out-projections).",
-                         ["flat", "row", "col", "embed"])
+    output_lr: Optional[float] = opt(None, "MD: peak LR of the LM head (default --lr).", valid=">0")
+    min_lr_mode: str = opt(
+        "relative", "MD: each LR band's final LR: relative (the same fraction --min-lr/--lr of its own peak) or "
+        "absolute (--min-lr itself for every band).", ["relative", "absolute"])
+    md_sphere: str = opt(
+        "flat", "MD: sphere of hidden matrices (embed: row, column for out-projections; rowcol / invrowcol: Sinkhorn "
+        "alternation of unit rows and columns, ending on columns / rows; equi: one such sweep).",
+        ["flat", "row", "col", "embed", "rowcol", "invrowcol", "equi"])
+    md_sphere_kind: str = opt(
+        "l2", "MD: what the flat sphere fixes: l2 (the Frobenius norm), spectral (the largest singular value, by "
+        "power iteration) or orthogonal (the direction is its own polar factor: all singular values equal).",
+        ["l2", "spectral", "orthogonal"])
+    md_sphere_iters: int = opt(10, "MD: Sinkhorn sweeps (rowcol, invrowcol) and power iterations (spectral).",
+                               valid=">=1")
+    md_ball: bool = opt(False, "MD: a ball instead of a sphere: shrink a direction onto the radius only when it is "
+                        "outside, never grow it.")
+    md_split_heads: bool = opt(False, "MD: each attention head's Q, K and V rows on a sphere of their own.")
+    md_split_heads_update: bool = opt(False, "MD (Muon base): Newton-Schulz on each attention head's Q, K and V rows "
+                                      "apart.")
     md_gains: str = opt("rowcol", "MD: gains of hidden matrices (flat: one per matrix; embed: row, column for "
-                        "out-projections).", ["rowcol", "row", "col", "flat", "embed", "none"])
+                        "out-projections; lowrank: an elementwise multiplier max(1 + A B, floor) of rank "
+                        "--md-gains-rank).", ["rowcol", "row", "col", "flat", "embed", "lowrank", "none"])
+    md_gains_rank: int = opt(4, "MD lowrank gains: the rank k of A [m, k] B [k, n] (capped at min(m, n)).", valid=">=1")
+    md_gains_lowrank_init_std: Optional[float] = opt(
+        None, "MD lowrank gains: std of A's normal init (B starts at 0; default 1/sqrt(k)).", valid=">0")
+    md_gains_lowrank_min: float = opt(0.01, "MD lowrank gains: floor of the multiplier 1 + A B (0: 1e-8).",
+                                      valid=">=0")
+    md_gains_lowrank_seed: int = opt(0, "MD lowrank gains: seed of A's init (with each matrix's name).", valid=">=0")
+    md_split_qkv_gains: bool = opt(False, "MD: separate column gains for the Q, K and V blocks of fused QKV.")
+    md_gains_bias_correction: bool = opt(True, "MD: Adam bias correction of the gains' moments.")
+    md_gains_min: Optional[float] = opt(
+        None, "MD: floor on every gain phi(rho) after its step (0: none; default 1e-5 for --md-gain-param direct, "
+        "none otherwise).", valid=">=0")
+    md_gains_no_clamp: bool = opt(
+        False, "MD: undo the gains with their true value (default: each gain floored at 1e-8 when dividing).")
+    md_gains_beta1: Optional[float] = opt(None, "MD: Adam beta1 of the gains (default --adam-beta1).", valid="[0,1)")
+    md_gains_beta2: Optional[float] = opt(None, "MD: Adam beta2 of the gains (default --adam-beta2).", valid="[0,1)")
+    md_gains_eps: Optional[float] = opt(None, "MD: Adam epsilon of the gains (default --adam-eps).", valid=">0")
+    md_gains_weight_decay: Optional[float] = opt(
+        None, "MD: decoupled weight decay of the gains (default --weight-decay).", valid=">=0")
     md_gain_param: str = opt("softplus", "MD: gain parametrisation gamma = phi(rho): softplus, direct (rho, floored "
                              "at 1e-5), offset (1 + rho), exp.", ["softplus", "direct", "offset", "exp"])
     md_preserve_init: bool = opt(
@@ -74,7 +110,14 @@ class MDConfig:
         False, "MD, Manifold Muon: one Newton-Schulz call per matrix inside each same-shape bucket (debugging: "
         "bitwise the unbatched result; batching changes fp32 rounding only)."
     )
-    md_embedding_sphere: str = opt("row", "MD: word-embedding sphere (none: plain AdamW).", ["row", "none"])
+    md_embedding_sphere: str = opt("row", "MD: word-embedding sphere (none: plain AdamW).",
+                                   ["row", "col", "flat", "none"])
+    md_embedding_gains: str = opt("none", "MD: word-embedding gains.", ["none", "rowcol", "row", "col", "flat"])
+    md_embeddings_base: str = opt(
+        "adam", "MD: base update of the word embedding and LM head on their spheres (muon: the authors' "
+        "orthogonal updates on embeddings).", ["adam", "muon"])
+    md_router_base: str = opt("muon", "MD: base update of the MoE router (muon with Keller Jordan's scale, or adam).",
+                              ["muon", "adam"])
     md_output_sphere: str = opt("row", "MD: LM-head sphere (none: plain AdamW).", ["row", "none"])
     md_output_gains: str = opt("rowcol", "MD: LM-head gains.", ["rowcol", "row", "col", "none"])
     md_router_sphere: str = opt("row", "MD: MoE router sphere.", ["row", "flat"])
@@ -124,6 +167,18 @@ class ManifoldConfig:
     manifold_split_qkv: bool = opt(False, "manifold_muon: constrain Q, K, V separately (default: fused).")
 
 
+@dataclass
+class AdEMAMixConfig:
+    """The AdEMAMix base update of ademamix_md (its fast EMA and second moment: --adam-beta1/2)."""
+
+    ademamix_beta3: float = opt(0.999, "ademamix_md: beta3 of the slow EMA.", valid="[0,1)")
+    ademamix_alpha: float = opt(5.0, "ademamix_md: weight of the slow EMA.", valid=">=0")
+    ademamix_beta3_warmup: int = opt(0, "ademamix_md: steps over which beta3 rises to its value (0: none).",
+                                     valid=">=0")
+    ademamix_alpha_warmup: int = opt(0, "ademamix_md: steps over which alpha rises to its value (0: none).",
+                                     valid=">=0")
+
+
 # section name in OptimConfig -> its class (the order is the order of the --help groups)
 SECTIONS: dict[str, type] = {"muon": MuonConfig, "md": MDConfig, "lion": LionConfig, "soap": SoapConfig,
-                             "manifold": ManifoldConfig}
+                             "ademamix": AdEMAMixConfig, "manifold": ManifoldConfig}

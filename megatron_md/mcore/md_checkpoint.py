@@ -20,11 +20,14 @@ from megatron.core.utils import unwrap_model
 from megatron_md.mcore import compat, naming
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
 from megatron_md.mcore.optimizer_checkpoint import children
+from megatron_md.optim.gains import LOWRANK_AXES
 from megatron_md.optim.bases import SoapBase
 
 DUAL_KEYS = ("dual", "dual_q", "dual_k", "dual_v")
 # whole-matrix state kept by every TP rank alike, and its checkpoint prefix
-FULL_KEYS = {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in SoapBase.side_state}}
+# low-rank gain factors are saved whole too (lowrank gains are refused on TP shards, so every TP rank holds them)
+LOWRANK_KEYS = tuple(f"{k}_{a}" for a in LOWRANK_AXES for k in ("rho", "exp_avg", "exp_avg_sq"))
+FULL_KEYS = {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in SoapBase.side_state}, **{k: "md" for k in LOWRANK_KEYS}}
 
 
 def tag_md_params(model) -> None:

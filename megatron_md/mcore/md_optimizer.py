@@ -24,15 +24,16 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
 from megatron_md.mcore import compat, naming
 from megatron_md.mcore.families import MD_OPTIMIZERS
-from megatron_md.mcore.family_configs import LionConfig, MDConfig, SoapConfig
+from megatron_md.mcore.family_configs import AdEMAMixConfig, LionConfig, MDConfig, SoapConfig
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
-from megatron_md.optim.md import GAIN_AXES, MDHyperParams
+from megatron_md.optim.gains import GAIN_AXES, LOWRANK_AXES
+from megatron_md.optim.md import MDHyperParams
 from megatron_md.optim.muon_md import MDOptimizer
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
 
-GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
+GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES + LOWRANK_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
 # state that does not have its parameter's shape: megatron's checkpoint cannot hold it (md_checkpoint.py does)
 SIDE_KEYS = GAIN_KEYS + tuple(k for b in BASES.values() for k in b.side_state)
 
@@ -47,6 +48,7 @@ class MDOptimizerConfig(OptimizerConfig):
     md: MDConfig = field(default_factory=MDConfig)
     lion: LionConfig = field(default_factory=LionConfig)
     soap: SoapConfig = field(default_factory=SoapConfig)
+    ademamix: AdEMAMixConfig = field(default_factory=AdEMAMixConfig)
 
 
 NS_TP_MODES = ("layer_sharded", "duplicated")
@@ -71,6 +73,38 @@ def ns_settings(config: OptimizerConfig) -> dict:
     return {"dtype": torch.bfloat16 if prec == "medium" else torch.float32,
             "matmul_precision": "high" if prec == "high" else None,
             "tp_mode": config.muon_tp_mode}
+
+
+def group_defaults(config: MDOptimizerConfig) -> dict:
+    """MDHyperParams of every MD group from the run's typed sections (groups override per role)."""
+    md, a, betas = config.md, config.ademamix, (config.adam_beta1, config.adam_beta2)
+    gains_betas = (betas[0] if md.md_gains_beta1 is None else md.md_gains_beta1,
+                   betas[1] if md.md_gains_beta2 is None else md.md_gains_beta2)
+    return dict(
+        lr=config.lr, gains_lr=md.gains_lr, gains_max_lr=md.gains_lr,
+        momentum=config.muon_momentum, nesterov=config.muon_nesterov,
+        ns_steps=config.muon_num_ns_steps, ns_coefficients=md.md_ns_coefficients,
+        scale_mode=md.md_scale_mode, sphere=md.md_sphere, gains=md.md_gains,
+        gain_param=md.md_gain_param, weight_decay=config.weight_decay,
+        gains_betas=gains_betas, gains_eps=config.adam_eps if md.md_gains_eps is None else md.md_gains_eps,
+        gains_weight_decay=md.md_gains_weight_decay, gains_bias_correction=md.md_gains_bias_correction,
+        gains_min=md.md_gains_min, gains_no_clamp=md.md_gains_no_clamp, gains_rank=md.md_gains_rank,
+        gains_lowrank_init_std=md.md_gains_lowrank_init_std, gains_lowrank_min=md.md_gains_lowrank_min,
+        gains_lowrank_seed=md.md_gains_lowrank_seed, sphere_iters=md.md_sphere_iters, ball=md.md_ball,
+        betas=betas, eps=config.adam_eps,
+        md_base=config.md_base, lion_betas=(config.lion.lion_beta1, config.lion.lion_beta2),
+        soap_shampoo_beta=config.soap.soap_shampoo_beta, tangent_grad=md.md_tangent_grad,
+        normalize_update=md.md_normalize_update,
+        ademamix_beta3=a.ademamix_beta3, ademamix_alpha=a.ademamix_alpha,
+        ademamix_beta3_warmup=a.ademamix_beta3_warmup, ademamix_alpha_warmup=a.ademamix_alpha_warmup,
+    )
+
+
+def hidden_only(config: MDOptimizerConfig) -> dict:
+    """Options of hidden matrices only (the router, embedding and head keep their row spheres, whole)."""
+    md = config.md
+    return {"sphere_kind": md.md_sphere_kind, "split_heads": md.md_split_heads,
+            "split_heads_update": md.md_split_heads_update, "split_qkv_gains": md.md_split_qkv_gains}
 
 
 class MegatronMD(MDOptimizer):
@@ -98,19 +132,7 @@ class MegatronMD(MDOptimizer):
                 raise ValueError("soap_md keeps Kronecker factors of whole matrices, so it does not run on "
                                  "tensor-parallel shards; use --tensor-model-parallel-size 1 (and "
                                  "--expert-tensor-parallel-size 1) or another MD base")
-        betas = (config.adam_beta1, config.adam_beta2)
-        defaults = dict(
-            lr=config.lr, gains_lr=config.md.gains_lr, gains_max_lr=config.md.gains_lr,
-            momentum=config.muon_momentum, nesterov=config.muon_nesterov,
-            ns_steps=config.muon_num_ns_steps, ns_coefficients=config.md.md_ns_coefficients,
-            scale_mode=config.md.md_scale_mode, sphere=config.md.md_sphere, gains=config.md.md_gains,
-            gain_param=config.md.md_gain_param, weight_decay=config.weight_decay,
-            gains_betas=betas, gains_eps=config.adam_eps, betas=betas, eps=config.adam_eps,
-            md_base=config.md_base, lion_betas=(config.lion.lion_beta1, config.lion.lion_beta2),
-            soap_shampoo_beta=config.soap.soap_shampoo_beta, tangent_grad=config.md.md_tangent_grad,
-            normalize_update=config.md.md_normalize_update,
-        )
-        super().__init__(params, defaults, self._bases[config.md_base])
+        super().__init__(params, group_defaults(config), self._bases[config.md_base])
 
     # -- hooks -----------------------------------------------------------------------------------
     def base_for(self, hp: MDHyperParams):
@@ -243,6 +265,7 @@ def register(config: MDOptimizerConfig | None = None) -> None:
 def md_param_overrides(config: MDOptimizerConfig) -> dict:
     """Per-module MD groups: sphere, gains, base update and LR band (merged with megatron's)."""
     lr, min_ratio = config.lr, (config.min_lr / config.lr if config.lr else 0.0)
+    md = config.md
 
     def band(max_lr: float, role: str = "") -> dict:
         # megatron matches saved and current param groups on load by a fixed tuple of keys that
@@ -250,23 +273,26 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
         # embedding and LM-head groups collide. ``is_decoupled_lr`` is in that tuple and unused
         # by megatron-core's scheduler, so it carries the MD role.
         tag = {"is_decoupled_lr": f"md:{role}"} if role else {}
-        return {"max_lr": max_lr, "min_lr": max_lr * min_ratio, **tag}
+        floor = config.min_lr if md.min_lr_mode == "absolute" else max_lr * min_ratio
+        return {"max_lr": max_lr, "min_lr": floor, **tag}
 
     matrix_lr = config.md.matrix_lr if config.md.matrix_lr is not None else lr
     embedding_lr = config.md.embedding_lr if config.md.embedding_lr is not None else lr
+    output_lr = md.output_lr if md.output_lr is not None else lr
     # out-projections get their own group when something differs for them: the 1/sqrt(2L) radius, or "embed"
     out_proj = config.md.md_out_proj_radius or "embed" in (config.md.md_sphere, config.md.md_gains)
     hidden = ParamKey(predicate=ParamPredicate(
         name=f"md_hidden{'_no_out' if out_proj else ''}", fn=lambda p: _is_hidden_matrix(p) and not (out_proj and _is_out_proj(p))
     ))
     keep = {"preserve_init": True} if config.md.md_preserve_init else {}  # hidden matrices only: they have gains
+    keep.update(hidden_only(config))
     router = ParamKey(name="*router.weight")
     embedding = ParamKey(name="*word_embeddings.weight")
     output = ParamKey(name="*output_layer.weight")
     out = {
         hidden: {**band(matrix_lr, "hidden"), "md_role": "hidden", **keep},
         router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md.md_router_sphere,
-                 "scale_mode": "shape_scaling", "md_base": "muon"},
+                 "scale_mode": "shape_scaling", "md_base": md.md_router_base},
     }
     if out_proj:
         # Paper option: out-projections live on a sphere of radius sqrt(max(m,n))/sqrt(2L) and
@@ -276,12 +302,14 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
         out[key] = {**band(matrix_lr, "out_proj"), "md_role": "hidden", "out_proj": True, **radius, **keep}
     if config.md.md_embedding_sphere != "none":
         out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md.md_embedding_sphere,
-                          "gains": "none", "md_base": "adam"}
+                          "gains": md.md_embedding_gains, "md_base": md.md_embeddings_base}
     else:
         out[embedding] = band(embedding_lr)
     if config.md.md_output_sphere != "none":
-        out[output] = {**band(lr, "output"), "md_role": "output", "sphere": config.md.md_output_sphere,
-                       "gains": config.md.md_output_gains, "md_base": "adam"}
+        out[output] = {**band(output_lr, "output"), "md_role": "output", "sphere": config.md.md_output_sphere,
+                       "gains": config.md.md_output_gains, "md_base": md.md_embeddings_base}
+    elif md.output_lr is not None:  # the LM head under plain AdamW, in a band of its own
+        out[output] = band(output_lr)
     return out
 
 

@@ -1,5 +1,5 @@
-"""MuonMD, AdamMD, LionMD and SoapMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py``
-and a base update of ``bases.py`` (docs/optimizers.md §1).
+"""MuonMD, AdamMD, LionMD, SoapMD, AdEMAMixMD and NormMD: torch optimizers over 2-D matrices built on the MD phases
+of ``md.py`` and a base update of ``bases.py`` (docs/optimizers.md §1).
 
 Each projects every managed matrix onto its sphere at construction and starts the gains at exactly 1,
 so the first forward equals the projected model's. 1-D parameters (norm gains, biases) are refused:
@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .bases import AdamBase, BaseUpdate, LionBase, MuonBase, SoapBase
+from .bases import AdamBase, AdEMAMixBase, BaseUpdate, LionBase, MuonBase, NormalizedBase, SoapBase
 from .blocks import Block
 from .geometry import project_direction_
 from .md import (
@@ -24,6 +24,7 @@ from .md import (
     Orthogonalize,
     current_gains,
     default_orthogonalize,
+    gain_split,
     init_md_state,
     matrix_params,
     md_blocks,
@@ -37,7 +38,7 @@ from .sphere import LOCAL_REDUCER, Reducer
 
 class MDOptimizer(torch.optim.Optimizer):
     """MD decoupling around a pluggable base update (``bases.py``: ``MuonBase``, ``AdamBase``, ``LionBase``,
-    ``SoapBase``)."""
+    ``SoapBase``, ``AdEMAMixBase``, ``NormalizedBase``)."""
 
     # False: every matrix gets its state at construction. A subclass whose param groups are narrowed
     # after construction (a distributed optimizer handing each rank the matrices it owns) sets True:
@@ -85,7 +86,7 @@ class MDOptimizer(torch.optim.Optimizer):
         elif project:
             project_direction_(p.data, self._param_blocks(p, hp)[1], hp.geometry, self.reducer_for(p))
         if state and not self.state.get(p):
-            init_md_state(p, self.state[p], hp, self.base_for(hp), self._seeds.pop(p, None))
+            init_md_state(p, self.state[p], hp, self.base_for(hp), self._seeds.pop(p, None), self.reducer_for(p))
 
     def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> tuple[list[Block], list[Block]]:
         """(update blocks, sphere blocks) of ``p`` (``md.md_blocks``), cached."""
@@ -151,13 +152,17 @@ class MDOptimizer(torch.optim.Optimizer):
         raise KeyError(f"parameter of shape {tuple(p.shape)} is not managed by this optimizer")
 
     def gains(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(γ_row, γ_col) after the parametrisation φ; None for an axis without gains."""
-        return current_gains(self.state[p], self._hp_of(p))
+        """(γ_row, γ_col) after the parametrisation φ; None for an axis without gains. Low-rank gains: the
+        ``[m, n]`` multiplier as γ_row; per-block Q/K/V column gains: a ``[q+k+v, n]`` pattern as γ_col
+        (``gains.py``)."""
+        hp = self._hp_of(p)
+        return current_gains(self.state[p], hp, gain_split(p, hp))
 
     def direction(self, p: torch.Tensor) -> torch.Tensor:
         """Ŵ = W ⊘ (γ_r γ_cᵀ), the on-sphere direction of ``p`` (a new tensor)."""
         with torch.no_grad():
-            return recover_direction(p.detach().to(torch.float32), *self.gains(p))
+            clamp = not self._hp_of(p).gains_no_clamp
+            return recover_direction(p.detach().to(torch.float32), *self.gains(p), clamp=clamp)
 
 
 class MuonMD(MDOptimizer):
@@ -185,7 +190,6 @@ class MuonMD(MDOptimizer):
         gains_betas: tuple[float, float] = (0.9, 0.99),
         gains_eps: float = 1e-8,
         gains_weight_decay: float | None = None,
-        gmin: float = 1e-5,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         base: BaseUpdate | None = None,
         **options,
@@ -198,7 +202,7 @@ class MuonMD(MDOptimizer):
             lr=lr, gains_lr=gains_lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, scale_mode=scale_mode, sphere=sphere, gains=gains,
             gain_param=gain_param, weight_decay=weight_decay, gains_betas=tuple(gains_betas),
-            gains_eps=gains_eps, gains_weight_decay=gains_weight_decay, gmin=gmin,
+            gains_eps=gains_eps, gains_weight_decay=gains_weight_decay,
             qkv_split_shapes=qkv_split_shapes, **md_options(options),
         )
         super().__init__(params, defaults, base if base is not None else MuonBase())
@@ -225,7 +229,6 @@ class AdamMD(MDOptimizer):
         gains_betas: tuple[float, float] | None = None,
         gains_eps: float | None = None,
         gains_weight_decay: float | None = None,
-        gmin: float = 1e-5,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         base: BaseUpdate | None = None,
         **options,
@@ -237,7 +240,7 @@ class AdamMD(MDOptimizer):
             gain_param=gain_param, weight_decay=weight_decay,
             gains_betas=tuple(gains_betas if gains_betas is not None else betas),
             gains_eps=eps if gains_eps is None else gains_eps,
-            gains_weight_decay=gains_weight_decay, gmin=gmin, qkv_split_shapes=qkv_split_shapes,
+            gains_weight_decay=gains_weight_decay, qkv_split_shapes=qkv_split_shapes,
             **md_options(options),
         )
         super().__init__(params, defaults, base if base is not None else AdamBase())
@@ -270,9 +273,47 @@ class SoapMD(MDOptimizer):
         super().__init__(params, defaults, SoapBase())
 
 
-OPTIONS = ("sphere", "gains", "gain_param", "gmin", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
-           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update", "sphere_kind",
-           "sphere_iters", "ball", "split_heads", "split_heads_update", "head_dim")
+class AdEMAMixMD(MDOptimizer):
+    """MD decoupling with an AdEMAMix base: Adam plus a slow EMA of the direction gradient added with weight
+    ``alpha`` (``beta3``; both can warm up over base steps, 0 = off). Gains use the matrices' betas and eps
+    unless ``gains_betas``/``gains_eps`` are given, as in AdamMD."""
+
+    def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8, beta3: float = 0.999,
+                 alpha: float = 5.0, beta3_warmup: int = 0, alpha_warmup: int = 0, *,
+                 gains_betas: tuple[float, float] | None = None, gains_eps: float | None = None, **options):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        defaults = dict(
+            lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, ademamix_beta3=beta3, ademamix_alpha=alpha,
+            ademamix_beta3_warmup=beta3_warmup, ademamix_alpha_warmup=alpha_warmup,
+            gains_betas=tuple(gains_betas if gains_betas is not None else betas),
+            gains_eps=eps if gains_eps is None else gains_eps, **md_options(options),
+        )
+        super().__init__(params, defaults, AdEMAMixBase())
+
+
+class NormMD(MDOptimizer):
+    """MD decoupling with the normalised-momentum base: MuonMD with each block of the (Nesterov) momentum put on
+    the direction's sphere instead of orthogonalised, then scaled by ``scale_mode`` like msign."""
+
+    def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3, momentum: float = 0.95,
+                 nesterov: bool = True, scale_mode: str = "shape_up", *,
+                 gains_betas: tuple[float, float] = (0.9, 0.99), gains_eps: float = 1e-8, **options):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        defaults = dict(lr=lr, gains_lr=gains_lr, momentum=momentum, nesterov=nesterov, scale_mode=scale_mode,
+                        gains_betas=tuple(gains_betas), gains_eps=gains_eps, **md_options(options))
+        super().__init__(params, defaults, NormalizedBase())
+
+
+OPTIONS = ("sphere", "gains", "gain_param", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
+           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update", "gains_min",
+           "gains_no_clamp", "gains_bias_correction", "split_qkv_gains", "gains_rank", "gains_lowrank_init_std",
+           "gains_lowrank_min", "gains_lowrank_seed", "sphere_kind", "sphere_iters", "ball", "split_heads",
+           "split_heads_update", "head_dim")
 
 
 def md_options(options: dict) -> dict:

@@ -153,6 +153,8 @@ def inventory(cfg, lay: Layout, stage: int) -> list[Tensor]:
 def _gain_elems(shape: tuple, gains: str) -> int:
     rows, cols = shape
     # "embed" is row gains, column gains on out-projections: the larger of the two bounds it
+    if gains == "lowrank":  # A [m, k] and B [k, n] at the default rank (a bound: --md-gains-rank may differ)
+        return 4 * (rows + cols)
     return {"rowcol": rows + cols, "row": rows, "col": cols, "flat": 1, "embed": max(rows, cols), "none": 0}[gains]
 
 
@@ -168,11 +170,14 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
     def base(kind, n, tn: Tensor | None = None):
         if kind == "adam":
             adam(n)
+        elif kind == "ademamix":  # Adam's moments plus the slow EMA
+            adam(n)
+            kinds["muon_momentum"] += FP32 * n
         elif kind == "soap":  # Adam moments plus the Kronecker factors L, R and their eigenbases Q_L, Q_R
             adam(n)
             rows, cols = tn.full
             kinds["soap_factors"] += 2 * FP32 * tn.count * (rows * rows + cols * cols)
-        else:  # Muon's momentum, Lion's EMA
+        else:  # Muon's momentum, Lion's EMA, the normalised base's momentum
             kinds["muon_momentum"] += FP32 * n
 
     def md(tn: Tensor, base_kind: str, gains: str):

@@ -42,6 +42,19 @@ OPTIMIZERS = {
                 "--md-normalize-update"],
     "soap_md": ["--optimizer", "soap_md", "--md-sphere", "embed", "--md-gains", "embed", "--md-preserve-init"],
     "manifold_muon": ["--optimizer", "manifold_muon", "--geometry", "hetero"],
+    # the authors' remaining options, three runs between them (AdEMAMix's slow EMA and warmups; low-rank gain
+    # factors and their moments; split Q/K/V column gains; spheres of each kind; the embedding and head routing)
+    "ademamix_md": ["--optimizer", "ademamix_md", "--ademamix-beta3-warmup", "3", "--ademamix-alpha-warmup", "3",
+                    "--md-sphere", "rowcol", "--md-gains", "lowrank", "--md-gains-rank", "2",
+                    "--no-md-gains-bias-correction", "--md-embedding-sphere", "col", "--md-embedding-gains", "row",
+                    "--output-lr", "0.002", "--min-lr-mode", "absolute", "--min-lr", "1e-5"],
+    "norm_md": ["--optimizer", "norm_md", "--md-sphere-kind", "spectral", "--md-ball", "--md-split-heads",
+                "--md-split-qkv-gains", "--md-gains-no-clamp", "--md-gains-min", "0.01", "--md-gains-beta1", "0.8",
+                "--md-gains-beta2", "0.9", "--md-gains-eps", "1e-10", "--md-gains-weight-decay", "0.01",
+                "--md-embeddings-base", "muon", "--md-sphere-iters", "5"],
+    "muon_md_heads": ["--optimizer", "muon_md", "--md-split-heads-update", "--md-sphere", "equi",
+                      "--md-embedding-sphere", "flat", "--md-embedding-gains", "rowcol", "--md-gain-param", "direct",
+                      "--md-router-base", "adam"],
 }
 LAYOUTS = {
     "dp1": ["--nproc-per-node", "1"],
