@@ -53,6 +53,17 @@ MOCK = ["--mock-data", "--wandb-mode", "disabled"]
           "2"], "soap_md keeps Kronecker factors of whole matrices"),
         (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--md-gains", "embed"],
          "manifold_muon groups matrices by role"),
+        # the options that need whole matrices, refused before launch on tensor-parallel shards
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--md-sphere-kind", "orthogonal", "--nproc-per-node",
+          "2", "--tensor-model-parallel-size", "2"], "--md-sphere-kind orthogonal takes the polar factor"),
+        (["--model", "tiny-dense", "--optimizer", "adam_md", "--md-gains", "lowrank", "--nproc-per-node", "2",
+          "--tensor-model-parallel-size", "2"], "--md-gains lowrank keeps factors of whole matrices"),
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--md-split-heads-update", "--nproc-per-node", "2",
+          "--tensor-model-parallel-size", "2"], "--md-split-heads-update orthogonalises each head"),
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--md-sphere-kind", "spectral", "--md-sphere", "row"],
+         "--md-sphere-kind spectral fixes a norm of the whole matrix: it needs --md-sphere flat"),
+        (["--model", "tiny-dense", "--optimizer", "norm_md", "--md-preserve-init", "--md-sphere", "rowcol",
+          "--md-gains", "row"], "needs --md-gains rowcol"),
     ],
 )
 def test_invalid_layouts_and_batches(capsys, args, needle):
