@@ -136,7 +136,7 @@ class MegatronMD(MDOptimizer):
 
     # -- hooks -----------------------------------------------------------------------------------
     def base_for(self, hp: MDHyperParams):
-        return self._bases[hp.extra.get("md_base", "muon")]
+        return self._bases[hp.md_base or "muon"]
 
     def _group_of(self, p: torch.Tensor):
         if self.pg_collection is None:

@@ -22,7 +22,7 @@ process groups.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -121,14 +121,13 @@ class MDHyperParams:
     ademamix_alpha: float = 5.0
     ademamix_beta3_warmup: int = 0
     ademamix_alpha_warmup: int = 0
-    extra: dict = field(default_factory=dict)  # unknown group keys, for future base updates
+    md_base: str | None = None  # the group's base update by its BASES name (trainer groups); None: the optimizer's
 
     @classmethod
     def from_group(cls, group: dict) -> "MDHyperParams":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in group.items() if k in names}
-        extra = {k: v for k, v in group.items() if k not in names and k != "params"}
-        return cls(**known, extra=extra)
+        """The group's MD options; other keys of the group (megatron's LR bands, roles) are not ours."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in group.items() if k in names})
 
     @property
     def sphere_mode(self) -> str:
