@@ -79,6 +79,13 @@ INTERNALS: dict[str, Internal] = {e.name.rsplit(".", 1)[-1]: e for e in (
              _params("self"), "(self)"),
     Internal("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
              "called", "the same, for bf16 without the distributed optimizer", _params("self"), "(self)"),
+    Internal("megatron.core.optimizer.optimizer", "param_group_identifier_keys", "MD's groups set is_decoupled_lr",
+             "megatron pairs saved and current param groups on load by this fixed tuple of keys, none of them ours; "
+             "MD's embedding and LM-head groups can agree on all of them and would swap state. is_decoupled_lr is "
+             "in the tuple and read by nothing else in megatron-core, so MD's groups carry their role there "
+             "('md:embedding'). Kept, not moved to a key of our own, because every MD checkpoint saved so far is "
+             "matched by it", lambda t: isinstance(t, tuple) and "is_decoupled_lr" in t and "max_lr" in t,
+             "a tuple of group keys holding is_decoupled_lr and max_lr"),
     Internal("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "replaced by runtime/cpu.py (CPU only)",
              "megatron's RNG tracker reads the CUDA generator; on CPU it reads torch's",
              _params("device", "clone", "graph_safe"), "(device, clone, graph_safe)"),
