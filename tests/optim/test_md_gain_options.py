@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from mdtest import run_and_compare as _run_and_compare
 import torch.nn.functional as F
 
 from megatron_md.optim import AdamMD, AdEMAMixMD, MuonMD, NormMD, Reducer, msign
@@ -177,15 +178,6 @@ def _pair(base, shape=(128, 64), seed=0, lr=None, gains_lr=0.05, rho=None, **opt
     return p, opt, ref
 
 
-def _run_and_compare(p, opt, ref, steps=4, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    torch.testing.assert_close(p.detach().double(), ref.W, rtol=1e-5, atol=1e-6)
-    for _ in range(steps):
-        G = torch.randn(p.shape, generator=gen)
-        p.grad = G.clone()
-        opt.step()
-        ref.step(G)
-    torch.testing.assert_close(p.detach().double(), ref.W, rtol=2e-4, atol=2e-5)
 
 
 CASES = {
