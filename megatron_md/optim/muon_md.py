@@ -203,7 +203,7 @@ class MuonMD(MDOptimizer):
             ns_coefficients=ns_coefficients, scale_mode=scale_mode, sphere=sphere, gains=gains,
             gain_param=gain_param, weight_decay=weight_decay, gains_betas=tuple(gains_betas),
             gains_eps=gains_eps, gains_weight_decay=gains_weight_decay,
-            qkv_split_shapes=qkv_split_shapes, **md_options(options),
+            qkv_split_shapes=qkv_split_shapes, **md_options(options, gain_param),
         )
         super().__init__(params, defaults, base if base is not None else MuonBase())
 
@@ -241,7 +241,7 @@ class AdamMD(MDOptimizer):
             gains_betas=tuple(gains_betas if gains_betas is not None else betas),
             gains_eps=eps if gains_eps is None else gains_eps,
             gains_weight_decay=gains_weight_decay, qkv_split_shapes=qkv_split_shapes,
-            **md_options(options),
+            **md_options(options, gain_param),
         )
         super().__init__(params, defaults, base if base is not None else AdamBase())
 
@@ -316,8 +316,16 @@ OPTIONS = ("sphere", "gains", "gain_param", "weight_decay", "gains_weight_decay"
            "split_heads_update", "head_dim")
 
 
-def md_options(options: dict) -> dict:
-    """The MD options every optimizer here takes by keyword (``OPTIONS``); anything else is a typo."""
+def md_options(options: dict, gain_param: str | None = None) -> dict:
+    """The MD options every optimizer here takes by keyword (``OPTIONS``); anything else is a typo.
+
+    ``gmin`` is the earlier name of the floor of ``direct`` gains: it still sets ``gains_min`` for them, and (as
+    before) does nothing for the other parametrisations."""
+    options = dict(options)
+    if "gmin" in options:
+        gmin = options.pop("gmin")
+        if (gain_param or options.get("gain_param", "softplus")) == "direct":
+            options.setdefault("gains_min", gmin)
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"unknown MD option(s) {unknown}; the options are {OPTIONS}")

@@ -485,3 +485,13 @@ def test_bad_ademamix_options_are_refused(opts, match):
 def test_unknown_keyword_still_refused():
     with pytest.raises(TypeError, match="gmin"):
         AdamMD([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01, gmin=1e-3)
+
+
+def test_gmin_keeps_its_meaning():
+    """``gmin`` (the earlier keyword) still floors ``direct`` gains and leaves the others alone."""
+    from megatron_md.optim import AdamMD
+
+    direct = MuonMD([torch.nn.Parameter(torch.randn(8, 4))], lr=0.01, gain_param="direct", gmin=1e-3)
+    assert direct.param_groups[0]["gains_min"] == 1e-3
+    soft = AdamMD([torch.nn.Parameter(torch.randn(8, 4))], lr=0.01, gmin=1e-3)
+    assert soft.param_groups[0].get("gains_min") is None
