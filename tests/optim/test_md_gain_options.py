@@ -483,8 +483,8 @@ def test_bad_ademamix_options_are_refused(opts, match):
 
 
 def test_unknown_keyword_still_refused():
-    with pytest.raises(TypeError, match="gmin"):
-        AdamMD([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01, gmin=1e-3)
+    with pytest.raises(TypeError, match="gains_minimum"):
+        AdamMD([torch.nn.Parameter(torch.randn(4, 4))], lr=0.01, gains_minimum=1e-3)
 
 
 def test_gmin_keeps_its_meaning():
