@@ -104,7 +104,7 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/test_install.py::test_pypi_te_wheels_stay": None,
     "tests/test_install.py::test_control_a_newer_te_would_replace_the_containers": None,
     # SLURM smoke step run for real: kept test_smoke_step_runs_on_every_node_then_the_run_starts
-    "tests/slurm/test_sbatch.py::test_a_failed_smoke_step_stops_the_job_before_the_run": None,
+    "tests/slurm/test_pretrain_sbatch.py::test_a_failed_smoke_step_stops_the_job_before_the_run": None,
 }
 
 
