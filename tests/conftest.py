@@ -72,11 +72,12 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/optim/test_manifolds.py::test_manifold_muon_end_to_end_keeps_constraints": "fast",
     "tests/optim/test_manifolds.py::test_more_dual_steps_reduce_violation_and_early_stop": "stiefel-ks0",
     # LR sweeps: kept test_diverged_cell_is_recorded_once (real cells through the sweep runner)
-    "tests/sweep/test_lr_sweep.py::test_coord_check_writes_one_row_per_optimizer_width_layer_step": None,
-    "tests/sweep/test_lr_sweep.py::test_extend_edges_runs_until_the_optimum_is_inside": None,
-    "tests/sweep/test_lr_sweep.py::test_jobs_run_cells_at_once_and_leave_a_cell_another_sweep_runs_alone": None,
-    "tests/sweep/test_lr_sweep.py::test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit": None,
-    "tests/sweep/test_lr_sweep.py::test_tiny_sweep_resumes_after_interruption_and_writes_csv_and_png": None,
+    "tests/sweep/test_lr_sweep_runs.py::test_coord_check_writes_one_row_per_optimizer_width_layer_step": None,
+    "tests/sweep/test_lr_sweep_runs.py::test_extend_edges_runs_until_the_optimum_is_inside": None,
+    "tests/sweep/test_lr_sweep_runs.py::test_jobs_run_cells_at_once_and_leave_a_cell_another_sweep_runs_alone": None,
+    "tests/sweep/test_lr_sweep_runs.py::test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit":
+        None,
+    "tests/sweep/test_lr_sweep_runs.py::test_tiny_sweep_resumes_after_interruption_and_writes_csv_and_png": None,
     # data tools: kept test_preprocess_cli and test_gpt2_and_hf_preprocess_write_the_same_tokens
     "tests/tools/test_preprocess.py::test_preprocess_workers_xz_txt_same_output": None,
     "tests/tools/test_preprocess.py::test_train_tokenizer_cli": None,
