@@ -150,11 +150,11 @@ def inventory(cfg, lay: Layout, stage: int) -> list[Tensor]:
 # ------------------------------------------------------------------------------------------------ optimizer
 
 
-def _gain_elems(shape: tuple, gains: str) -> int:
+def _gain_elems(shape: tuple, gains: str, rank: int = 4) -> int:
     rows, cols = shape
     # "embed" is row gains, column gains on out-projections: the larger of the two bounds it
-    if gains == "lowrank":  # A [m, k] and B [k, n] at the default rank (a bound: --md-gains-rank may differ)
-        return 4 * (rows + cols)
+    if gains == "lowrank":  # A [m, k] and B [k, n], k = --md-gains-rank capped at min(m, n)
+        return min(rank, rows, cols) * (rows + cols)
     return {"rowcol": rows + cols, "row": rows, "col": cols, "flat": 1, "embed": max(rows, cols), "none": 0}[gains]
 
 
@@ -183,7 +183,7 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
     def md(tn: Tensor, base_kind: str, gains: str):
         base(base_kind, tn.numel, tn)
         # Gain vector rho plus its two Adam moments, per axis, sized by the rank's shard.
-        kinds["md_gains"] += 3 * FP32 * tn.count * _gain_elems(tn.local, gains)
+        kinds["md_gains"] += 3 * FP32 * tn.count * _gain_elems(tn.local, gains, o.md.md_gains_rank)
 
     for tn in tensors:
         matrix = len(tn.local) == 2 and tn.role not in ("norm", "bias", "position_embedding")
