@@ -67,6 +67,7 @@ records: $(STAMP)
 clean-runs:
 	@echo "runs/ holds your runs and checkpoints; remove it by hand if you mean it."
 
-# The whole save/resume/reshard matrix of the distributed optimizer (tests/training/test_distributed_resume.py).
+# The whole save/resume/reshard matrix of the distributed optimizer
+# (tests/training/checkpoints/test_distributed_resume.py).
 test-reshard: $(STAMP)
-	$(PY) -m pytest -m "slow or not slow" tests/training/test_distributed_resume.py $(PYTEST_ARGS)
+	$(PY) -m pytest -m "slow or not slow" tests/training/checkpoints/test_distributed_resume.py $(PYTEST_ARGS)

@@ -4,7 +4,7 @@ For one layer of the preset (default ``dense-1.29b``):
 
 - ``matrix_stats`` on QKV, proj, fc1 and fc2 at their full (TP-gathered) shapes, Gaussian (std 0.02,
   init-like): the former path (``torch.linalg.svdvals`` plus the Gram for ‖Off‖) against the
-  current one (``megatron_md.training.diagnostics.matrix_stats``: Lanczos on the Gram and on its
+  current one (``megatron_md.training.observability.diagnostics.matrix_stats``: Lanczos on the Gram and on its
   inverse above ``EXACT_SVD_MAX_SIDE``), with the estimates' relative error against the SVD.
 - The attention probe for one layer at the preset's sequence length (and any ``--seq-lengths``),
   batch 1, bf16 q/k: the former dense computation (full S×S float32 logits per head) against
@@ -106,7 +106,7 @@ def _rss_kib(field: str) -> int:
 
 def probe_child(variant: str, seq: int, heads: int, groups: int, d: int, repeats: int, threads: int) -> dict:
     """Runs in a fresh process: time and peak extra RSS of one probe variant."""
-    from megatron_md.training.diagnostics import PROBE_BLOCK_ELEMS, PROBE_CHUNK, attention_stats
+    from megatron_md.training.observability.diagnostics import PROBE_BLOCK_ELEMS, PROBE_CHUNK, attention_stats
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         print("PROBE " + json.dumps(probe_child(**json.loads(args.probe_child))), flush=True)
         return 0
     from megatron_md.training.config import LoggingConfig
-    from megatron_md.training.diagnostics import EXACT_SVD_MAX_SIDE, LANCZOS_STEPS, matrix_stats
+    from megatron_md.training.observability.diagnostics import EXACT_SVD_MAX_SIDE, LANCZOS_STEPS, matrix_stats
 
     torch.set_num_threads(args.threads)
     interval = LoggingConfig().diagnostics_interval

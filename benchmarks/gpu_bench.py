@@ -112,8 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- the driver
 
 def peak_for(name: str) -> float | None:
-    """Dense bf16 peak of a device name: the trainer's table (megatron_md.training.throughput)."""
-    from megatron_md.training.throughput import peak_tflops_for_name
+    """Dense bf16 peak of a device name: the trainer's table (megatron_md.training.observability.throughput)."""
+    from megatron_md.training.observability.throughput import peak_tflops_for_name
 
     return peak_tflops_for_name(name)
 

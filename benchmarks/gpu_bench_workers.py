@@ -10,10 +10,11 @@ import traceback
 from pathlib import Path
 
 FLOPS_FORMULA = (
-    "the trainer's (megatron_md.training.throughput.model_flops_per_step, Megatron-LM's formula): per token "
-    "12*L*h^2*((1 + g/a + s/(2h))*(a*d/h) + ffn/h*glu*k + V/(2*L*h)) with g query groups, a heads, d head dim, "
-    "glu 1.5 for SwiGLU, k routed experts (+ shared) for MoE, V the padded vocab; causal attention counts half "
-    "the s^2 term; recomputation is not counted; model TFLOP/s = FLOPs per token x tokens/s"
+    "the trainer's (megatron_md.training.observability.throughput.model_flops_per_step, Megatron-LM's "
+    "formula): per token 12*L*h^2*((1 + g/a + s/(2h))*(a*d/h) + ffn/h*glu*k + V/(2*L*h)) with g query groups, "
+    "a heads, d head dim, glu 1.5 for SwiGLU, k routed experts (+ shared) for MoE, V the padded vocab; causal "
+    "attention counts half the s^2 term; recomputation is not counted; model TFLOP/s = FLOPs per token x "
+    "tokens/s"
 )
 
 
@@ -57,7 +58,7 @@ def worker_gemm(spec: dict) -> dict:
 def flops_per_token(m, vocab: int, active: int) -> tuple[int, float]:
     """(N, FLOPs per token): N = active parameters minus the input embedding (for the record), FLOPs as the
     trainer's log line counts them (FLOPS_FORMULA)."""
-    from megatron_md.training.throughput import model_flops_per_step
+    from megatron_md.training.observability.throughput import model_flops_per_step
 
     input_embedding = vocab * m.hidden_size if m.untie_embeddings_and_output_weights else 0
     if m.position_embedding_type == "learned_absolute":
@@ -76,7 +77,7 @@ def worker_train(spec: dict) -> dict:
     from megatron_md.runtime.distributed import destroy_distributed
     from megatron_md.training import config as C
     from megatron_md.training.build import with_vocab
-    from megatron_md.training.checkpointing import unwrap
+    from megatron_md.training.checkpoints.checkpointing import unwrap
     from megatron_md.training.trainer import Trainer
 
     t_start = time.perf_counter()

@@ -132,7 +132,8 @@ class Subject:
 
 def analytic_ns_flops(s: Subject) -> tuple[float, int]:
     """Σ msign FLOPs of every Muon-base block of a world-1 model (each matrix once), and the block count."""
-    from megatron_md.optim.md import MDHyperParams, matrix_blocks, resolve_split_shapes
+    from megatron_md.optim.blocks import matrix_blocks
+    from megatron_md.optim.md import MDHyperParams, resolve_split_shapes
     from megatron_md.parallel.orthogonalize import msign_flops
     from megatron_md.mcore.optimizer_checkpoint import walk
 

@@ -267,15 +267,15 @@ class Subject:
         o = self.cfg.optimizer
         out = {"lr": o.lr, "weight_decay": o.weight_decay, "clip_grad": o.clip_grad}
         if self.name in ("muon", "muon_md"):
-            out.update(muon_num_ns_steps=o.muon_num_ns_steps, muon_momentum=o.muon_momentum,
-                       muon_nesterov=o.muon_nesterov)
+            out.update(muon_num_ns_steps=o.muon.muon_num_ns_steps, muon_momentum=o.muon.muon_momentum,
+                       muon_nesterov=o.muon.muon_nesterov)
         if self.name == "muon":
-            out.update(muon_tp_mode=o.muon_tp_mode, muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
-                       muon_scale_mode=o.muon_scale_mode)
+            out.update(muon_tp_mode=o.muon.muon_tp_mode, muon_fp32_matmul_prec=o.muon.muon_fp32_matmul_prec,
+                       muon_scale_mode=o.muon.muon_scale_mode)
         if self.name == "muon_md":
-            out.update(md_ns_coefficients=o.md_ns_coefficients, md_sphere=o.md_sphere, md_gains=o.md_gains,
-                       md_scale_mode=o.md_scale_mode, md_embedding_sphere=o.md_embedding_sphere,
-                       md_output_sphere=o.md_output_sphere, md_output_gains=o.md_output_gains)
+            out.update(md_ns_coefficients=o.md.md_ns_coefficients, md_sphere=o.md.md_sphere, md_gains=o.md.md_gains,
+                       md_scale_mode=o.md.md_scale_mode, md_embedding_sphere=o.md.md_embedding_sphere,
+                       md_output_sphere=o.md.md_output_sphere, md_output_gains=o.md.md_output_gains)
         return out
 
 

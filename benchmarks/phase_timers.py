@@ -67,6 +67,7 @@ MD_PHASES = (
     ("blocks_sphere_scale (sphere norms)", "blocks_sphere_scale"),
     ("adam_ (gains)", "adam_"),
 )
+# (label, class of megatron_md.optim.bases, method) timed inside the same two phases.
 BASE_PHASES = (("MuonBase.direction (momentum)", "MuonBase", "direction"),
                ("MuonBase.descend_ (scaled step)", "MuonBase", "descend_"),
                ("AdamBase.direction (moments)", "AdamBase", "direction"),
@@ -92,6 +93,7 @@ def phase_timers(subject):
         for _, inner in inner_optimizers(subject.optimizer):
             t.patch(inner, "step", f"inner step: {type(inner).__name__}")
         if subject.name == "muon_md":
+            import megatron_md.optim.bases as bases
             import megatron_md.optim.md as md
             import megatron_md.optim.muon_md as mdo
             from megatron_md.parallel.orthogonalize import OrthogonalizationEngine
@@ -107,7 +109,7 @@ def phase_timers(subject):
             for label, attr in MD_PHASES:
                 t.patch(md, attr, label)
             for label, cls, attr in BASE_PHASES:
-                t.patch(getattr(md, cls), attr, label)
+                t.patch(getattr(bases, cls), attr, label)
             t.patch(OrthogonalizationEngine, "run", "engine.run (gather, msign, scatter)")
             t.patch(OrthogonalizationEngine, "_compute", "msign")
         elif subject.name == "muon":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_md.training import config as C
 from megatron_md.training.arguments import quiet_megatron, train_parser
-from megatron_md.training.preemption import PREEMPT_MARKER_ENV
+from megatron_md.training.checkpoints.preemption import PREEMPT_MARKER_ENV
 
 
 def _free_port() -> int:
@@ -92,8 +92,11 @@ def cmd_train(argv: list[str]) -> int:
         nproc = cfg.training.nproc_per_node
         world = int(os.environ.get("WORLD_SIZE", nproc))
         validate_config(cfg, world)
+        from megatron_md.training.checkpoints.resume_check import check_checkpoint_fits
+
+        check_checkpoint_fits(cfg)  # a checkpoint of another model is refused here, by flag
         if cfg.data.data_path and not cfg.data.mock_data:
-            from megatron_md.training.data import validate_data
+            from megatron_md.training.data.datasets import validate_data
 
             validate_data(
                 cfg.data.data_path, cfg.data.split, cfg.model.seq_length, cfg.data.tokenizer_model, False
@@ -103,8 +106,8 @@ def cmd_train(argv: list[str]) -> int:
         return 2
     if nproc > 1 and not under_launcher():
         return relaunch(nproc, ["train", *_strip_nproc(argv)])
-    from megatron_md.training.checkpointing import CheckpointMismatch
-    from megatron_md.training.ckpt_integrity import CheckpointCorrupted
+    from megatron_md.training.checkpoints.checkpointing import CheckpointMismatch
+    from megatron_md.training.checkpoints.integrity import CheckpointCorrupted
     from megatron_md.training.trainer import TrainingStopped, run
 
     try:
@@ -169,7 +172,7 @@ def _plan_device_argv(argv: list[str]) -> list[str]:
 def cmd_plan(argv: list[str]) -> int:
     """Per-device memory, FLOPs and communication of a run, from its config (``train``'s flags)."""
     quiet_megatron()
-    from megatron_md.training.plan_report import (DEFAULT_HEADROOM, DEVICES, format_plan, make_plan,
+    from megatron_md.training.planning.report import (DEFAULT_HEADROOM, DEVICES, format_plan, make_plan,
                                                   parse_headroom, resolve_target)
 
     p = train_parser()
@@ -220,7 +223,7 @@ def cmd_plan(argv: list[str]) -> int:
                                 "--device-memory" if memory_from_cli else "target_device_memory (--config)",
                                 "--device" if device_from_cli else "target_device (--config)")
         headroom = parse_headroom(plan_args["headroom"])
-        from megatron_md.training.plan import layout_of
+        from megatron_md.training.planning.memory import layout_of
         from megatron_md.training.validate import validate_config
 
         layout_of(cfg, world)  # the layout's own errors name --world-size, not --nproc-per-node
@@ -259,7 +262,7 @@ def cmd_score(argv: list[str]) -> int:
         help="Load without checking the files against the checkpoint's checksums.json.",
     )
     a = p.parse_args(argv)
-    from megatron_md.training.score import score_main
+    from megatron_md.training.evaluation.score import score_main
 
     try:
         return score_main(a)
@@ -286,7 +289,7 @@ def cmd_generate(argv: list[str]) -> int:
         help="Load without checking the files against the checkpoint's checksums.json.",
     )
     a = p.parse_args(argv)
-    from megatron_md.training.generate import generate_main
+    from megatron_md.training.evaluation.generate import generate_main
 
     try:
         return generate_main(a)
@@ -304,7 +307,7 @@ def cmd_demo(argv: list[str]) -> int:
     p.add_argument("--config", default=None, help="Demo config (default examples/tiny_moe_cpu_demo.yaml).")
     a, rest = p.parse_known_args(argv)
     from megatron_md.training.config import EXAMPLES_DIR
-    from megatron_md.training.data import prepare_demo_data
+    from megatron_md.training.data.datasets import prepare_demo_data
 
     work = Path(a.work_dir)
     work.mkdir(parents=True, exist_ok=True)

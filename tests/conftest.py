@@ -44,11 +44,11 @@ def mcore_world():
 # test of its family is the quick tier's representative, named in the comment).
 FULL_ONLY: dict[str, str | None] = {
     # distributed optimizer, bf16, save and resume: kept muon_md same-layout resume
-    "tests/training/test_distributed_resume.py::test_same_layout_resume_is_bit_identical": "muon_md",
-    "tests/training/test_distributed_resume.py::test_resume_at_another_layout": None,
-    "tests/training/test_distributed_resume.py::test_moe_state_survives_ep2_to_ep1_bit_for_bit": None,
-    "tests/training/test_distributed_resume.py::test_state_survives_a_tp2_reshard_bit_for_bit": None,
-    "tests/training/test_distributed_resume.py::test_dp_reshardable_adam_at_another_tp_is_refused": None,
+    "tests/training/checkpoints/test_distributed_resume.py::test_same_layout_resume_is_bit_identical": "muon_md",
+    "tests/training/checkpoints/test_distributed_resume.py::test_resume_at_another_layout": None,
+    "tests/training/checkpoints/test_distributed_resume.py::test_moe_state_survives_ep2_to_ep1_bit_for_bit": None,
+    "tests/training/checkpoints/test_distributed_resume.py::test_state_survives_a_tp2_reshard_bit_for_bit": None,
+    "tests/training/checkpoints/test_distributed_resume.py::test_dp_reshardable_adam_at_another_tp_is_refused": None,
     # MD across layouts: kept test_moe_expert_parallel
     "tests/mcore/test_md_layouts.py::test_dense_tp_pp_dp_and_resume_across_dp_change": None,
     "tests/mcore/test_md_layouts.py::test_layer_wise_distributed_optimizer": None,
@@ -72,29 +72,32 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/optim/test_manifolds.py::test_manifold_muon_end_to_end_keeps_constraints": "fast",
     "tests/optim/test_manifolds.py::test_more_dual_steps_reduce_violation_and_early_stop": "stiefel-ks0",
     # LR sweeps: kept test_diverged_cell_is_recorded_once (real cells through the sweep runner)
-    "tests/sweep/test_lr_sweep.py::test_coord_check_writes_one_row_per_optimizer_width_layer_step": None,
-    "tests/sweep/test_lr_sweep.py::test_extend_edges_runs_until_the_optimum_is_inside": None,
-    "tests/sweep/test_lr_sweep.py::test_jobs_run_cells_at_once_and_leave_a_cell_another_sweep_runs_alone": None,
-    "tests/sweep/test_lr_sweep.py::test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit": None,
-    "tests/sweep/test_lr_sweep.py::test_tiny_sweep_resumes_after_interruption_and_writes_csv_and_png": None,
+    "tests/sweep/test_lr_sweep_runs.py::test_coord_check_writes_one_row_per_optimizer_width_layer_step": None,
+    "tests/sweep/test_lr_sweep_runs.py::test_extend_edges_runs_until_the_optimum_is_inside": None,
+    "tests/sweep/test_lr_sweep_runs.py::test_jobs_run_cells_at_once_and_leave_a_cell_another_sweep_runs_alone": None,
+    "tests/sweep/test_lr_sweep_runs.py::test_resume_cells_continues_a_stopped_cell_from_its_checkpoint_bit_for_bit":
+        None,
+    "tests/sweep/test_lr_sweep_runs.py::test_tiny_sweep_resumes_after_interruption_and_writes_csv_and_png": None,
     # data tools: kept test_preprocess_cli and test_gpt2_and_hf_preprocess_write_the_same_tokens
     "tests/tools/test_preprocess.py::test_preprocess_workers_xz_txt_same_output": None,
     "tests/tools/test_preprocess.py::test_train_tokenizer_cli": None,
-    "tests/training/test_tokenizers.py::test_hf_export_writes_the_tokenizer_and_import_trains_on_with_it": None,
-    "tests/training/test_tokenizers.py::test_train_score_generate_with_the_hf_tokenizer": None,
+    "tests/training/data/test_tokenizers.py::test_hf_export_writes_the_tokenizer_and_import_trains_on_with_it": None,
+    "tests/training/data/test_tokenizers.py::test_train_score_generate_with_the_hf_tokenizer": None,
     # checkpoint integrity: kept test_two_ranks_share_the_hashing_and_both_raise
-    "tests/training/test_ckpt_integrity.py::test_cli_refuses_a_corrupted_checkpoint_and_the_flag_skips_the_check": None,
+    "tests/training/checkpoints/test_integrity.py::test_cli_refuses_a_corrupted_checkpoint_and_the_flag_skips_the_check":
+        None,
     # knobs: kept test_exit_duration_saves_and_exits_cleanly
     "tests/training/test_knobs.py::test_overlap_matches_and_async_save_resumes_bit_identically": None,
     "tests/training/test_knobs.py::test_rampup_profile_and_throughput_report": None,
     "tests/training/test_knobs.py::test_moe_knobs_train_and_log_their_losses": None,
     # preemption: kept SIGTERM with the distributed optimizer in bf16
-    "tests/training/test_preemption.py::test_sigterm_saves_exits_0_and_the_relaunch_continues_identically":
+    "tests/training/checkpoints/test_preemption.py::test_sigterm_saves_exits_0_and_the_relaunch_continues_identically":
         "muon_md-distopt-bf16",
-    "tests/training/test_preemption.py::test_kill_during_a_save_leaves_the_previous_checkpoint_loadable": None,
+    "tests/training/checkpoints/test_preemption.py::test_kill_during_a_save_leaves_the_previous_checkpoint_loadable":
+        None,
     # single-rank resume: kept test_resume_is_bit_identical
-    "tests/training/test_resume.py::test_nan_step_is_skipped_and_never_saved": None,
-    "tests/training/test_resume.py::test_score_reproduces_eval_loss": None,
+    "tests/training/checkpoints/test_resume.py::test_nan_step_is_skipped_and_never_saved": None,
+    "tests/training/checkpoints/test_resume.py::test_score_reproduces_eval_loss": None,
     # shipped recipes through a checkpoint: kept the largest dense recipe, shrunk
     "tests/training/test_recipes.py::test_recipe_resumes_bit_identically": "md_paper/dense-1.29b_muon_md.yaml",
     # install resolution: kept the NGC-container cases and the wheel
@@ -102,13 +105,14 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/test_install.py::test_pypi_te_wheels_stay": None,
     "tests/test_install.py::test_control_a_newer_te_would_replace_the_containers": None,
     # SLURM smoke step run for real: kept test_smoke_step_runs_on_every_node_then_the_run_starts
-    "tests/slurm/test_sbatch.py::test_a_failed_smoke_step_stops_the_job_before_the_run": None,
+    "tests/slurm/test_pretrain_sbatch.py::test_a_failed_smoke_step_stops_the_job_before_the_run": None,
 }
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything
 def pytest_collection_modifyitems(config, items):
-    """Mark the full-only cases; refuse a FULL_ONLY entry that names no test (or case) of a collected file."""
+    """Mark the full-only cases; refuse a FULL_ONLY entry naming a missing file, or no test (or case) of a
+    collected file."""
     seen: dict[str, set] = {}
     files = set()
     for item in items:
@@ -121,6 +125,10 @@ def pytest_collection_modifyitems(config, items):
         keep = FULL_ONLY[func]
         if keep is None or case != keep:
             item.add_marker(pytest.mark.full)
+    moved = sorted({k.split("::")[0] for k in FULL_ONLY if not (REPO / k.split("::")[0]).is_file()})
+    if moved:  # a moved file's entries would otherwise stop marking anything, silently
+        raise pytest.UsageError("tests/conftest.py FULL_ONLY names files that do not exist (moved?): "
+                                f"{', '.join(moved)}")
     if any("::" in str(a) for a in config.args):  # a run of chosen tests: nothing to compare with
         return
     stale = [f"{k} (keep {v!r})" for k, v in FULL_ONLY.items() if k.split("::")[0] in files

@@ -36,3 +36,18 @@ def eval_records(run_dir: Path) -> list[dict]:
 
 
 QUIET = ["--wandb-mode", "disabled", "--no-progress-bar"]
+
+
+def run_and_compare(p, opt, ref, steps=4, seed=1, rtol=2e-4, atol=2e-5):
+    """``steps`` steps of ``opt`` on ``p`` and of an fp64 reference ``ref`` (``ref.step(G)``, ``ref.W``) on the same
+    random gradients: equal at the start (rel 1e-5) and within ``rtol``/``atol`` at the end."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.testing.assert_close(p.detach().double(), ref.W, rtol=1e-5, atol=1e-6)
+    for _ in range(steps):
+        G = torch.randn(p.shape, generator=gen)
+        p.grad = G.clone()
+        opt.step()
+        ref.step(G)
+    torch.testing.assert_close(p.detach().double(), ref.W, rtol=rtol, atol=atol)

@@ -31,7 +31,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_md.training.tokenizer import TOKENIZER_TYPES
+    from megatron_md.training.data.tokenizer import TOKENIZER_TYPES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     # megatron.core's import chatter on CPU-only machines is irrelevant to preprocessing
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    from megatron_md.training.preprocess import preprocess
+    from megatron_md.training.data.preprocess import preprocess
 
     try:
         preprocess(

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_md.training.tokenizer import build_tokenizer, train_sentencepiece
+    from megatron_md.training.data.tokenizer import build_tokenizer, train_sentencepiece
 
     model = Path(args.model_prefix + ".model")
     if model.exists() and not args.overwrite:

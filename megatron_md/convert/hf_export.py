@@ -60,7 +60,7 @@ def shutdown() -> None:
 def load_run_config(load: str | Path, iteration: int | None = None):
     """(RunConfig at TP=PP=EP=1, checkpoint dir, the run's tokenizer (megatron-core's, from the files saved
     with the checkpoint) or None, the run's ParallelConfig)."""
-    from megatron_md.training import checkpointing as ckpt
+    from megatron_md.training.checkpoints import checkpointing as ckpt
     from megatron_md.training.config import RunConfig
 
     text, path = ckpt.read_run_config(load, iteration)
@@ -73,7 +73,7 @@ def load_run_config(load: str | Path, iteration: int | None = None):
     cfg.training.device, cfg.training.nproc_per_node = "cpu", 1
     cfg.model.transformer_impl = "local"
     cfg.model.moe_grouped_gemm = False  # megatron checkpoints grouped and sequential experts alike
-    from megatron_md.training.tokenizer import tokenizer_for_data, use_checkpoint_tokenizer
+    from megatron_md.training.data.tokenizer import tokenizer_for_data, use_checkpoint_tokenizer
 
     tok = tokenizer_for_data(cfg.data) if use_checkpoint_tokenizer(cfg.data, path) else None
     return cfg, path, tok, saved
@@ -108,7 +108,7 @@ def checkpoint_vocab(path: Path, cfg, tokenizer, saved_tp: int) -> tuple[int, in
 def build_and_load(cfg, load: str | Path, iteration: int | None, vocab: int, *, verify: bool = True):
     """Our GPTModel at TP1 with the checkpoint's weights (needs ``init_single_process``)."""
     from megatron_md.models.builder import build_model
-    from megatron_md.training import checkpointing as ckpt
+    from megatron_md.training.checkpoints import checkpointing as ckpt
 
     model = build_model(cfg, vocab, cpu=True, pre_process=True, post_process=True)
     ckpt.load_checkpoint(load, model, load_optim=False, load_rng=False, iteration=iteration, verify=verify)
@@ -251,7 +251,7 @@ def export_checkpoint(
     ``check_integrity``: check the checkpoint against its checksums.json before reading anything.
     """
     if check_integrity:
-        from megatron_md.training.ckpt_integrity import verify_load
+        from megatron_md.training.checkpoints.integrity import verify_load
 
         verify_load(load, iteration)
     cfg, path, tok, saved = load_run_config(load, iteration)

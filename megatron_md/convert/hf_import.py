@@ -108,7 +108,7 @@ def _tokenizer_for(cfg, hf_dir: Path, vocab: int):
     from types import SimpleNamespace
 
     from megatron_md.models.builder import padded_vocab_size
-    from megatron_md.training.tokenizer import (HUGGINGFACE, SENTENCEPIECE, data_tokenizer_kind,
+    from megatron_md.training.data.tokenizer import (HUGGINGFACE, SENTENCEPIECE, data_tokenizer_kind,
                                                 tokenizer_for_data)
 
     own = True
@@ -157,7 +157,7 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path, *, config: str | N
 
     from megatron_md.convert.hf_export import init_single_process, shutdown
     from megatron_md.models.builder import build_model
-    from megatron_md.training import checkpointing as ckpt
+    from megatron_md.training.checkpoints import checkpointing as ckpt
 
     hf_dir, root = Path(hf_dir), Path(output)
     hc, hf = read_hf_dir(hf_dir)
@@ -171,7 +171,7 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path, *, config: str | N
         raise FileExistsError(f"--output {root}: already holds a checkpoint; choose an empty directory")
     final = ckpt.iter_dir(root, 0)
     if tok_src is not None:  # the run config names the copies saved with the checkpoint
-        from megatron_md.training.tokenizer import checkpoint_tokenizer_paths
+        from megatron_md.training.data.tokenizer import checkpoint_tokenizer_paths
 
         cfg.data.tokenizer_type = tok_src.tokenizer_type
         cfg.data.tokenizer_model = cfg.data.vocab_file = cfg.data.merge_file = None
@@ -213,10 +213,10 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path, *, config: str | N
         shutdown()
     (partial / ckpt.RUN_CONFIG).write_text(run_yaml)
     if tok_src is not None:
-        from megatron_md.training.tokenizer import save_tokenizer_files
+        from megatron_md.training.data.tokenizer import save_tokenizer_files
 
         save_tokenizer_files(tok_src, partial)
-    from megatron_md.training.ckpt_integrity import write_manifest
+    from megatron_md.training.checkpoints.integrity import write_manifest
 
     write_manifest(partial)  # checksums.json, as save_checkpoint writes (one process here)
     partial.rename(final)

@@ -122,7 +122,7 @@ def write_hf_tokenizer(data, tokenizer, out_dir: str | Path, model_max_length: i
 
     SentencePiece: converted to a tokenizer.json (``save_hf_tokenizer``). A Hugging Face or GPT-2 BPE
     tokenizer already is one: megatron-core's ``save_pretrained`` writes its files as the run read them."""
-    from megatron_md.training.tokenizer import SENTENCEPIECE, data_tokenizer_kind
+    from megatron_md.training.data.tokenizer import SENTENCEPIECE, data_tokenizer_kind
 
     if data_tokenizer_kind(data) == SENTENCEPIECE:
         save_hf_tokenizer(data.tokenizer_model, out_dir, model_max_length)
@@ -138,7 +138,7 @@ def check_same_ids(ours, hf_dir: str | Path, texts=SAMPLE_TEXTS) -> None:
     (``ours``: a SentencePiece model path or a megatron-core tokenizer)."""
     from transformers import AutoTokenizer
 
-    from megatron_md.training.tokenizer import build_tokenizer
+    from megatron_md.training.data.tokenizer import build_tokenizer
 
     what = ours
     if isinstance(ours, (str, Path)):

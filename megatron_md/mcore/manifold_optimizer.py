@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from megatron.core.optimizer.emerging_optimizers import (
-    _EMERGING_OPTIMIZERS,
-    EmergingOptimizerEntry,
-    _eopt_init_state_fn,
-)
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
+from megatron_md.mcore import compat
+from megatron_md.mcore.family_configs import ManifoldConfig
 from megatron_md.mcore.md_optimizer import (
     MDOptimizerConfig,
     MegatronMD,
@@ -49,17 +46,9 @@ MM_STATE_KEYS = ("dual", "dual_q", "dual_k", "dual_v", "dual_violation", "dual_i
 
 @dataclass
 class ManifoldOptimizerConfig(MDOptimizerConfig):
-    geometry: str = "hetero"
-    manifold_mode: str = "fast"
-    manifold_dual_steps: int = 20
-    manifold_dual_lr: float = 0.1
-    manifold_msign_steps: int = 10
-    manifold_fast_dual_steps: int = 1
-    manifold_fast_dual_lr: float = 0.02
-    manifold_fast_msign_steps: int = 8
-    manifold_split_qkv: bool = False
-    geometry_auto_sigma_max: float | None = None
-    geometry_auto_logit: float | None = None
+    """MD's config (MD groups of a geometry) plus the manifold section."""
+
+    manifold: ManifoldConfig = field(default_factory=ManifoldConfig)
 
 
 def _is_manifold_group(group: dict) -> bool:
@@ -72,11 +61,11 @@ class MegatronManifoldMuon(MegatronMD):
 
     def __init__(self, params, config: ManifoldOptimizerConfig, pg_collection=None):
         self.mm_defaults = dict(
-            manifold="none", mode=config.manifold_mode, dual_steps=config.manifold_dual_steps,
-            dual_lr=config.manifold_dual_lr, tol=1e-6, msign_steps=config.manifold_msign_steps,
-            fast_dual_steps=config.manifold_fast_dual_steps, fast_dual_lr=config.manifold_fast_dual_lr,
-            fast_msign_steps=config.manifold_fast_msign_steps,
-            split_qkv=config.manifold_split_qkv,
+            manifold="none", mode=config.manifold.manifold_mode, dual_steps=config.manifold.manifold_dual_steps,
+            dual_lr=config.manifold.manifold_dual_lr, tol=1e-6, msign_steps=config.manifold.manifold_msign_steps,
+            fast_dual_steps=config.manifold.manifold_fast_dual_steps, fast_dual_lr=config.manifold.manifold_fast_dual_lr,
+            fast_msign_steps=config.manifold.manifold_fast_msign_steps,
+            split_qkv=config.manifold.manifold_split_qkv,
             msign_dtype="bf16" if ns_settings(config)["dtype"] == torch.bfloat16 else "fp32",
         )
         self.geometry_override: dict[str, str] = {}  # md_key -> geometry (auto policy switches)
@@ -118,15 +107,14 @@ class MegatronManifoldMuon(MegatronMD):
                 if not self.lazy_state:
                     self._init_mm_state(p, hp)
 
+    def md_groups(self) -> list[dict]:
+        """MD's step and reset run on the MD and AdamW-base groups; the manifold groups are stepped below."""
+        return [g for g in self.param_groups if not _is_manifold_group(g)]
+
     @torch.no_grad()
     def reset_from_weights(self) -> None:
-        everything = self.param_groups
-        self.param_groups = [g for g in everything if not _is_manifold_group(g)]
-        try:
-            super().reset_from_weights()
-        finally:
-            self.param_groups = everything
-        for group in everything:
+        super().reset_from_weights()
+        for group in self.param_groups:
             if _is_manifold_group(group):
                 hp = ManifoldHyperParams.from_group(group)
                 for p in group["params"]:
@@ -145,14 +133,9 @@ class MegatronManifoldMuon(MegatronMD):
 
     @torch.no_grad()
     def step(self, closure=None):
-        everything = self.param_groups
-        self.param_groups = [g for g in everything if not _is_manifold_group(g)]
-        try:
-            super().step(closure)
-        finally:
-            self.param_groups = everything
+        loss = super().step(closure)  # the MD and AdamW-base groups (md_groups)
         duplicated, pending = self.ns["tp_mode"] == "duplicated", []
-        for group in everything:
+        for group in self.param_groups:
             if not _is_manifold_group(group):
                 continue
             hp = ManifoldHyperParams.from_group(group)
@@ -173,6 +156,7 @@ class MegatronManifoldMuon(MegatronMD):
                     pending += submit_manifold_steps(items, geo_hp, self.ortho_engine)
         self.ortho_engine.run()  # every manifold group's matrices in one run
         finish_manifold_steps(pending)
+        return loss
 
     def state_dict(self):
         sd = super().state_dict()
@@ -200,12 +184,12 @@ def routes_to_adamw(policy: GeometryPolicy):
 
 def build_policy(config: ManifoldOptimizerConfig) -> GeometryPolicy:
     """``--geometry PRESET|RULES``, or ``auto:PRESET|RULES`` with the auto-switch thresholds."""
-    spec = config.geometry
+    spec = config.manifold.geometry
     if spec.startswith("auto:") or spec == "auto":
         base = spec.partition(":")[2] or "hetero"
-        if config.geometry_auto_sigma_max is None and config.geometry_auto_logit is None:
+        if config.manifold.geometry_auto_sigma_max is None and config.manifold.geometry_auto_logit is None:
             raise ValueError("--geometry auto needs --geometry-auto-sigma-max and/or --geometry-auto-logit")
-        return AutoPolicy(base, config.geometry_auto_sigma_max, config.geometry_auto_logit)
+        return AutoPolicy(base, config.manifold.geometry_auto_sigma_max, config.manifold.geometry_auto_logit)
     return make_policy(spec)
 
 
@@ -254,14 +238,8 @@ def _config_to_kwargs(config, model_chunks, pg_collection):
 def register(config: ManifoldOptimizerConfig) -> GeometryPolicy:
     policy = build_policy(config)
     to_adamw = routes_to_adamw(policy)
-    _EMERGING_OPTIMIZERS["manifold_muon"] = EmergingOptimizerEntry(
-        optimizer_cls=MegatronManifoldMuon,
-        init_state_fn=_eopt_init_state_fn,
-        config_to_kwargs=_config_to_kwargs,
-        default_param_overrides={
-            ParamKey(predicate=ParamPredicate(name="mm_adamw", fn=to_adamw)): {"optimizer": "adam"}
-        },
-    )
+    compat.register_optimizer("manifold_muon", MegatronManifoldMuon, _config_to_kwargs,
+                              {ParamKey(predicate=ParamPredicate(name="mm_adamw", fn=to_adamw)): {"optimizer": "adam"}})
     return policy
 
 
@@ -272,7 +250,7 @@ def manifold_param_overrides(config: ManifoldOptimizerConfig, policy: GeometryPo
         if not value.get("out_proj"):  # groups here are per role; validate.py refuses out-projection options
             md[value.get("md_role", "embedding")] = value
     lr, min_ratio = config.lr, (config.min_lr / config.lr if config.lr else 0.0)
-    matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
+    matrix_lr = config.md.matrix_lr if config.md.matrix_lr is not None else lr
     out = {}
     for role in ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2", "experts.fc1", "experts.fc2",
                  "router", "embedding", "head"):
@@ -289,14 +267,3 @@ def manifold_param_overrides(config: ManifoldOptimizerConfig, policy: GeometryPo
             out[key] = {"max_lr": matrix_lr, "min_lr": matrix_lr * min_ratio, "manifold": a.geometry,
                         "md_role": "manifold", "is_decoupled_lr": f"mm:{role}"}
     return out
-
-
-def manifold_config_kwargs(o) -> dict:
-    return dict(
-        geometry=o.geometry, manifold_mode=o.manifold_mode, manifold_dual_steps=o.manifold_dual_steps,
-        manifold_dual_lr=o.manifold_dual_lr, manifold_msign_steps=o.manifold_msign_steps,
-        manifold_fast_dual_steps=o.manifold_fast_dual_steps, manifold_fast_dual_lr=o.manifold_fast_dual_lr,
-        manifold_fast_msign_steps=o.manifold_fast_msign_steps,
-        manifold_split_qkv=o.manifold_split_qkv, geometry_auto_sigma_max=o.geometry_auto_sigma_max,
-        geometry_auto_logit=o.geometry_auto_logit,
-    )

@@ -17,14 +17,17 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.utils import unwrap_model
 
-from megatron_md.mcore import naming
+from megatron_md.mcore import compat, naming
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
 from megatron_md.mcore.optimizer_checkpoint import children
+from megatron_md.optim.gains import LOWRANK_AXES
 from megatron_md.optim.bases import SoapBase
 
 DUAL_KEYS = ("dual", "dual_q", "dual_k", "dual_v")
 # whole-matrix state kept by every TP rank alike, and its checkpoint prefix
-FULL_KEYS = {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in SoapBase.side_state}}
+# low-rank gain factors are saved whole too (lowrank gains are refused on TP shards, so every TP rank holds them)
+LOWRANK_KEYS = tuple(f"{k}_{a}" for a in LOWRANK_AXES for k in ("rho", "exp_avg", "exp_avg_sq"))
+FULL_KEYS = {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in SoapBase.side_state}, **{k: "md" for k in LOWRANK_KEYS}}
 
 
 def tag_md_params(model) -> None:
@@ -33,6 +36,7 @@ def tag_md_params(model) -> None:
     SequentialMLP's ``local_experts.{n}`` and TEGroupedMLP's ``linear_fc{1,2}.weight{n}`` both
     become ``local_experts.{ep_rank * local + n}.linear_fc{1,2}.weight`` (``mcore/naming.py``).
     """
+    compat.install()  # so that megatron's bf16 master params keep these tags
     gpt = unwrap_model(model)
     layers = getattr(getattr(gpt, "decoder", None), "layers", [])
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -175,8 +179,7 @@ def sync_model_params(optimizer) -> None:
     projects only the matrices it owns, so the others must be broadcast (found by a layout test).
     """
     for o, _ in md_wrappers(optimizer):
-        if hasattr(o, "_copy_main_params_to_model_params"):
-            o._copy_main_params_to_model_params()
+        compat.copy_main_params_to_model_params(o)
     stack = [optimizer]
     while stack:
         o = stack.pop()

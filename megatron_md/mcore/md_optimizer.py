@@ -15,65 +15,40 @@ distributed optimizers. Routing (docs/optimizers.md §1.8):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer.emerging_optimizers import (
-    _EMERGING_OPTIMIZERS,
-    EmergingOptimizerEntry,
-    _eopt_init_state_fn,
-)
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
-from megatron.core.tensor_parallel import layers as tp_layers
 
-from megatron_md.mcore import naming
+from megatron_md.mcore import compat, naming
+from megatron_md.mcore.families import MD_OPTIMIZERS
+from megatron_md.mcore.family_configs import AdEMAMixConfig, LionConfig, MDConfig, SoapConfig
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
-from megatron_md.optim.md import GAIN_AXES, MDHyperParams
+from megatron_md.optim.gains import GAIN_AXES, LOWRANK_AXES
+from megatron_md.optim.md import MDHyperParams
 from megatron_md.optim.muon_md import MDOptimizer
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
 
-GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
+GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES + LOWRANK_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
 # state that does not have its parameter's shape: megatron's checkpoint cannot hold it (md_checkpoint.py does)
 SIDE_KEYS = GAIN_KEYS + tuple(k for b in BASES.values() for k in b.side_state)
-MD_OPTIMIZERS = {"muon_md": "muon", "adam_md": "adam", "lion_md": "lion", "soap_md": "soap"}  # name -> base
 
-# Attributes our tagging sets on model params; registered so megatron copies them onto the fp32
-# master params it makes for bf16 training (only keys of this dict survive that copy).
-for _attr, _default in (("md_key", None), ("md_swiglu", False)):
-    tp_layers._MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.setdefault(_attr, _default)
 
 
 @dataclass
 class MDOptimizerConfig(OptimizerConfig):
-    """megatron-core's OptimizerConfig plus the MD knobs (flags: training/config.py)."""
+    """megatron-core's OptimizerConfig plus MD's typed sections, handed on whole (flags: mcore/family_configs.py)."""
 
-    md_base: str = "muon"
-    matrix_lr: Optional[float] = None
-    embedding_lr: Optional[float] = None
-    gains_lr: float = 1e-3
-    md_sphere: str = "flat"
-    md_gains: str = "rowcol"
-    md_gain_param: str = "softplus"
-    md_scale_mode: str = "shape_up"
-    md_ns_coefficients: str = "quintic"
-    md_embedding_sphere: str = "row"
-    md_output_sphere: str = "row"
-    md_output_gains: str = "rowcol"
-    md_router_sphere: str = "row"
-    md_out_proj_radius: bool = False
-    md_num_layers: int = 1
-    md_ns_per_matrix: bool = False
-    md_compile: str = "auto"
-    md_preserve_init: bool = False
-    md_tangent_grad: bool = False
-    md_normalize_update: bool = False
-    lion_beta1: float = 0.9
-    lion_beta2: float = 0.99
-    soap_shampoo_beta: float = 0.95
+    md_base: str = "muon"  # the family's base update of hidden matrices
+    md_num_layers: int = 1  # for the 1/sqrt(2L) out-projection radius
+    md: MDConfig = field(default_factory=MDConfig)
+    lion: LionConfig = field(default_factory=LionConfig)
+    soap: SoapConfig = field(default_factory=SoapConfig)
+    ademamix: AdEMAMixConfig = field(default_factory=AdEMAMixConfig)
 
 
 NS_TP_MODES = ("layer_sharded", "duplicated")
@@ -100,6 +75,38 @@ def ns_settings(config: OptimizerConfig) -> dict:
             "tp_mode": config.muon_tp_mode}
 
 
+def group_defaults(config: MDOptimizerConfig) -> dict:
+    """MDHyperParams of every MD group from the run's typed sections (groups override per role)."""
+    md, a, betas = config.md, config.ademamix, (config.adam_beta1, config.adam_beta2)
+    gains_betas = (betas[0] if md.md_gains_beta1 is None else md.md_gains_beta1,
+                   betas[1] if md.md_gains_beta2 is None else md.md_gains_beta2)
+    return dict(
+        lr=config.lr, gains_lr=md.gains_lr, gains_max_lr=md.gains_lr,
+        momentum=config.muon_momentum, nesterov=config.muon_nesterov,
+        ns_steps=config.muon_num_ns_steps, ns_coefficients=md.md_ns_coefficients,
+        scale_mode=md.md_scale_mode, sphere=md.md_sphere, gains=md.md_gains,
+        gain_param=md.md_gain_param, weight_decay=config.weight_decay,
+        gains_betas=gains_betas, gains_eps=config.adam_eps if md.md_gains_eps is None else md.md_gains_eps,
+        gains_weight_decay=md.md_gains_weight_decay, gains_bias_correction=md.md_gains_bias_correction,
+        gains_min=md.md_gains_min, gains_no_clamp=md.md_gains_no_clamp, gains_rank=md.md_gains_rank,
+        gains_lowrank_init_std=md.md_gains_lowrank_init_std, gains_lowrank_min=md.md_gains_lowrank_min,
+        gains_lowrank_seed=md.md_gains_lowrank_seed, sphere_iters=md.md_sphere_iters, ball=md.md_ball,
+        betas=betas, eps=config.adam_eps,
+        md_base=config.md_base, lion_betas=(config.lion.lion_beta1, config.lion.lion_beta2),
+        soap_shampoo_beta=config.soap.soap_shampoo_beta, tangent_grad=md.md_tangent_grad,
+        normalize_update=md.md_normalize_update,
+        ademamix_beta3=a.ademamix_beta3, ademamix_alpha=a.ademamix_alpha,
+        ademamix_beta3_warmup=a.ademamix_beta3_warmup, ademamix_alpha_warmup=a.ademamix_alpha_warmup,
+    )
+
+
+def hidden_only(config: MDOptimizerConfig) -> dict:
+    """Options of hidden matrices only (the router, embedding and head keep their row spheres, whole)."""
+    md = config.md
+    return {"sphere_kind": md.md_sphere_kind, "split_heads": md.md_split_heads,
+            "split_heads_update": md.md_split_heads_update, "split_qkv_gains": md.md_split_qkv_gains}
+
+
 class MegatronMD(MDOptimizer):
     """MDOptimizer whose reductions and msign follow each parameter's TP (or expert-TP) shards.
 
@@ -113,8 +120,8 @@ class MegatronMD(MDOptimizer):
     def __init__(self, params, config: MDOptimizerConfig, pg_collection=None):
         self.pg_collection = pg_collection
         self.ns = ns_settings(config)
-        adam.set_compile(config.md_compile)
-        self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md_ns_per_matrix)
+        adam.set_compile(config.md.md_compile)
+        self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md.md_ns_per_matrix)
         self._kernels: dict[tuple, object] = {}
         self._bases = {name: cls() for name, cls in BASES.items()}
         self._reducers: dict[int, ShardedReducer] = {}
@@ -125,23 +132,11 @@ class MegatronMD(MDOptimizer):
                 raise ValueError("soap_md keeps Kronecker factors of whole matrices, so it does not run on "
                                  "tensor-parallel shards; use --tensor-model-parallel-size 1 (and "
                                  "--expert-tensor-parallel-size 1) or another MD base")
-        betas = (config.adam_beta1, config.adam_beta2)
-        defaults = dict(
-            lr=config.lr, gains_lr=config.gains_lr, gains_max_lr=config.gains_lr,
-            momentum=config.muon_momentum, nesterov=config.muon_nesterov,
-            ns_steps=config.muon_num_ns_steps, ns_coefficients=config.md_ns_coefficients,
-            scale_mode=config.md_scale_mode, sphere=config.md_sphere, gains=config.md_gains,
-            gain_param=config.md_gain_param, weight_decay=config.weight_decay,
-            gains_betas=betas, gains_eps=config.adam_eps, betas=betas, eps=config.adam_eps,
-            md_base=config.md_base, lion_betas=(config.lion_beta1, config.lion_beta2),
-            soap_shampoo_beta=config.soap_shampoo_beta, tangent_grad=config.md_tangent_grad,
-            normalize_update=config.md_normalize_update,
-        )
-        super().__init__(params, defaults, self._bases[config.md_base])
+        super().__init__(params, group_defaults(config), self._bases[config.md_base])
 
     # -- hooks -----------------------------------------------------------------------------------
     def base_for(self, hp: MDHyperParams):
-        return self._bases[hp.extra.get("md_base", "muon")]
+        return self._bases[hp.md_base or "muon"]
 
     def _group_of(self, p: torch.Tensor):
         if self.pg_collection is None:
@@ -180,7 +175,7 @@ class MegatronMD(MDOptimizer):
     @torch.no_grad()
     def reset_from_weights(self) -> None:
         """Fresh state for weights loaded without it: gains 1, directions projected on their spheres."""
-        for group in self.param_groups:
+        for group in self.md_groups():
             hp = MDHyperParams.from_group(group)
             for p in group["params"]:
                 self.state[p].clear()
@@ -247,9 +242,9 @@ def _config_to_kwargs(config, model_chunks, pg_collection):
 def routes_to_adamw(config: MDOptimizerConfig):
     """Which params MD leaves to AdamW: 1-D ones, learned positions, unconstrained embedding/head."""
     plain = ["position_embeddings.weight"]
-    if config.md_embedding_sphere == "none":
+    if config.md.md_embedding_sphere == "none":
         plain.append("word_embeddings.weight")
-    if config.md_output_sphere == "none":
+    if config.md.md_output_sphere == "none":
         plain.append("output_layer.weight")
 
     def routed(p: torch.Tensor) -> bool:
@@ -264,17 +259,13 @@ def register(config: MDOptimizerConfig | None = None) -> None:
     config = config or MDOptimizerConfig()
     routed = ParamKey(predicate=ParamPredicate(name="md_adamw", fn=routes_to_adamw(config)))
     for name in MD_OPTIMIZERS:
-        _EMERGING_OPTIMIZERS[name] = EmergingOptimizerEntry(
-            optimizer_cls=MegatronMD,
-            init_state_fn=_eopt_init_state_fn,
-            config_to_kwargs=_config_to_kwargs,
-            default_param_overrides={routed: {"optimizer": "adam"}},
-        )
+        compat.register_optimizer(name, MegatronMD, _config_to_kwargs, {routed: {"optimizer": "adam"}})
 
 
 def md_param_overrides(config: MDOptimizerConfig) -> dict:
     """Per-module MD groups: sphere, gains, base update and LR band (merged with megatron's)."""
     lr, min_ratio = config.lr, (config.min_lr / config.lr if config.lr else 0.0)
+    md = config.md
 
     def band(max_lr: float, role: str = "") -> dict:
         # megatron matches saved and current param groups on load by a fixed tuple of keys that
@@ -282,38 +273,43 @@ def md_param_overrides(config: MDOptimizerConfig) -> dict:
         # embedding and LM-head groups collide. ``is_decoupled_lr`` is in that tuple and unused
         # by megatron-core's scheduler, so it carries the MD role.
         tag = {"is_decoupled_lr": f"md:{role}"} if role else {}
-        return {"max_lr": max_lr, "min_lr": max_lr * min_ratio, **tag}
+        floor = config.min_lr if md.min_lr_mode == "absolute" else max_lr * min_ratio
+        return {"max_lr": max_lr, "min_lr": floor, **tag}
 
-    matrix_lr = config.matrix_lr if config.matrix_lr is not None else lr
-    embedding_lr = config.embedding_lr if config.embedding_lr is not None else lr
+    matrix_lr = config.md.matrix_lr if config.md.matrix_lr is not None else lr
+    embedding_lr = config.md.embedding_lr if config.md.embedding_lr is not None else lr
+    output_lr = md.output_lr if md.output_lr is not None else lr
     # out-projections get their own group when something differs for them: the 1/sqrt(2L) radius, or "embed"
-    out_proj = config.md_out_proj_radius or "embed" in (config.md_sphere, config.md_gains)
+    out_proj = config.md.md_out_proj_radius or "embed" in (config.md.md_sphere, config.md.md_gains)
     hidden = ParamKey(predicate=ParamPredicate(
         name=f"md_hidden{'_no_out' if out_proj else ''}", fn=lambda p: _is_hidden_matrix(p) and not (out_proj and _is_out_proj(p))
     ))
-    keep = {"preserve_init": True} if config.md_preserve_init else {}  # hidden matrices only: they have gains
+    keep = {"preserve_init": True} if config.md.md_preserve_init else {}  # hidden matrices only: they have gains
+    keep.update(hidden_only(config))
     router = ParamKey(name="*router.weight")
     embedding = ParamKey(name="*word_embeddings.weight")
     output = ParamKey(name="*output_layer.weight")
     out = {
         hidden: {**band(matrix_lr, "hidden"), "md_role": "hidden", **keep},
-        router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md_router_sphere,
-                 "scale_mode": "shape_scaling", "md_base": "muon"},
+        router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md.md_router_sphere,
+                 "scale_mode": "shape_scaling", "md_base": md.md_router_base},
     }
     if out_proj:
         # Paper option: out-projections live on a sphere of radius sqrt(max(m,n))/sqrt(2L) and
         # their Muon update shrinks by the same factor (docs/optimizers.md §1.2).
         key = ParamKey(predicate=ParamPredicate(name="md_out_proj", fn=lambda p: _is_hidden_matrix(p) and _is_out_proj(p)))
-        radius = {"radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5} if config.md_out_proj_radius else {}
+        radius = {"radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5} if config.md.md_out_proj_radius else {}
         out[key] = {**band(matrix_lr, "out_proj"), "md_role": "hidden", "out_proj": True, **radius, **keep}
-    if config.md_embedding_sphere != "none":
-        out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md_embedding_sphere,
-                          "gains": "none", "md_base": "adam"}
+    if config.md.md_embedding_sphere != "none":
+        out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md.md_embedding_sphere,
+                          "gains": md.md_embedding_gains, "md_base": md.md_embeddings_base}
     else:
         out[embedding] = band(embedding_lr)
-    if config.md_output_sphere != "none":
-        out[output] = {**band(lr, "output"), "md_role": "output", "sphere": config.md_output_sphere,
-                       "gains": config.md_output_gains, "md_base": "adam"}
+    if config.md.md_output_sphere != "none":
+        out[output] = {**band(output_lr, "output"), "md_role": "output", "sphere": config.md.md_output_sphere,
+                       "gains": config.md.md_output_gains, "md_base": md.md_embeddings_base}
+    elif md.output_lr is not None:  # the LM head under plain AdamW, in a band of its own
+        out[output] = band(output_lr)
     return out
 
 
@@ -325,19 +321,3 @@ def _is_hidden_matrix(p: torch.Tensor) -> bool:
 def _is_out_proj(p: torch.Tensor) -> bool:
     key = getattr(p, "md_key", None) or ""
     return key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight")
-
-
-def optimizer_config_kwargs(o) -> dict:
-    """MDOptimizerConfig fields from our OptimConfig section."""
-    return dict(
-        md_base=MD_OPTIMIZERS.get(o.optimizer, "muon"),
-        matrix_lr=o.matrix_lr, embedding_lr=o.embedding_lr, gains_lr=o.gains_lr,
-        md_sphere=o.md_sphere, md_gains=o.md_gains, md_gain_param=o.md_gain_param,
-        md_scale_mode=o.md_scale_mode, md_ns_coefficients=o.md_ns_coefficients,
-        md_embedding_sphere=o.md_embedding_sphere, md_output_sphere=o.md_output_sphere,
-        md_output_gains=o.md_output_gains, md_router_sphere=o.md_router_sphere,
-        md_out_proj_radius=o.md_out_proj_radius, md_ns_per_matrix=o.md_ns_per_matrix, md_compile=o.md_compile,
-        md_preserve_init=o.md_preserve_init, md_tangent_grad=o.md_tangent_grad,
-        md_normalize_update=o.md_normalize_update, lion_beta1=o.lion_beta1, lion_beta2=o.lion_beta2,
-        soap_shampoo_beta=o.soap_shampoo_beta,
-    )

@@ -21,6 +21,8 @@ from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 from megatron.core.optimizer import distrib_optimizer as _distrib
 from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
+from megatron_md.mcore import compat
+
 
 def children(o) -> list:
     """The optimizers directly inside a megatron chained / wrapped optimizer."""
@@ -55,7 +57,7 @@ def prepare_for_load(optimizer) -> int:
     Returns how many inner optimizers were prepared. A no-op where Apex or TE provide the Adam kernel
     (megatron reads the step from the param groups there) or where the state already exists.
     """
-    if getattr(_distrib, "HAVE_APEX_OR_TE", True):
+    if compat.get("HAVE_APEX_OR_TE"):
         return 0
     prepared = 0
     for o in walk(optimizer):
@@ -70,7 +72,7 @@ def prepare_for_load(optimizer) -> int:
                 inner.state[p].setdefault("step", torch.tensor(0.0))
         prepared += 1
     for o in walk(optimizer):
-        if isinstance(o, _distrib.DistributedOptimizer) and not getattr(o, "_md_step_tolerant", False):
+        if isinstance(o, _distrib.DistributedOptimizer) and not getattr(o, "md_step_tolerant", False):
             _tolerate_missing_step(o)
     return prepared
 
@@ -79,18 +81,18 @@ def _tolerate_missing_step(o) -> None:
     """The 'fully_reshardable' load hands megatron's per-parameter copy no ``step`` (it keeps the step in
     the param groups) while torch AdamW's state has one, so the copy raised ``KeyError: 'step'``; mark it
     absent (megatron skips non-tensors) and let ``after_load`` restore it."""
-    copy_states = o._set_main_param_and_optimizer_states
+    def tolerant(copy_states):
+        def set_states(model_param, tensors):
+            return copy_states(model_param, tensors if "step" in tensors else {**tensors, "step": None})
+        return set_states
 
-    def set_states(model_param, tensors):
-        return copy_states(model_param, tensors if "step" in tensors else {**tensors, "step": None})
-
-    o._set_main_param_and_optimizer_states = set_states
-    o._md_step_tolerant = True
+    compat.wrap_set_main_param_and_optimizer_states(o, tolerant)
+    o.md_step_tolerant = True
 
 
 def after_load(optimizer) -> None:
     """Each parameter of megatron's torch-AdamW distributed optimizer gets its own, restored ``step``."""
-    if getattr(_distrib, "HAVE_APEX_OR_TE", True):
+    if compat.get("HAVE_APEX_OR_TE"):
         return
     for o in walk(optimizer):
         if not isinstance(o, _distrib.DistributedOptimizer):

@@ -1,24 +1,17 @@
-"""Optimizers of megatron_md: Magnitude-Direction decoupling (MuonMD, AdamMD), module-wise Manifold Muon
-(ManifoldMuon, ``manifolds``), the geometry policy, and their building blocks.
+"""Optimizers of megatron_md: Magnitude-Direction decoupling (MuonMD, AdamMD, LionMD, SoapMD, AdEMAMixMD,
+NormMD), module-wise Manifold Muon (ManifoldMuon, ``manifolds``), the geometry policy, and their building blocks.
 
 Pure torch (no megatron, no torch.distributed): tensor-parallel glue plugs in through ``Reducer`` and
 ``MDOptimizer.reducer_for`` / ``orthogonalizer_for``.
 """
 
-from .md import (
-    AdamBase,
-    BaseUpdate,
-    MDHyperParams,
-    MuonBase,
-    Reducer,
-    gain_param,
-    md_step_,
-    project_,
-    qkv_row_index,
-)
+from .md import MDHyperParams, md_step_
+from .gains import gain_param
+from .blocks import qkv_row_index
+from .sphere import Reducer, project_
 from .msign import msign, scale_factor
-from .bases import BASES, LionBase, SoapBase
-from .muon_md import AdamMD, LionMD, MDOptimizer, MuonMD, SoapMD
+from .bases import BASES, AdamBase, AdEMAMixBase, BaseUpdate, LionBase, MuonBase, NormalizedBase, SoapBase
+from .muon_md import AdamMD, AdEMAMixMD, LionMD, MDOptimizer, MuonMD, NormMD, SoapMD
 from . import manifolds
 from .manifold_muon import ManifoldHyperParams, ManifoldMuon, manifold_step_
 from .policy import (
@@ -36,6 +29,10 @@ from .policy import (
 __all__ = [
     "AdamBase",
     "AdamMD",
+    "AdEMAMixBase",
+    "AdEMAMixMD",
+    "NormalizedBase",
+    "NormMD",
     "BASES",
     "LionBase",
     "LionMD",

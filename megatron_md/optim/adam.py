@@ -77,11 +77,17 @@ def adam_moments_and_denominator(grad: torch.Tensor, exp_avg: torch.Tensor, exp_
 
 def adam_(
     theta: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int | float,
-    lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0, bias_correction: bool = True,
 ) -> None:
-    """Bias-corrected Adam with decoupled weight decay, in place (docs/optimizers.md §3.3); step counts from 1."""
+    """Adam with decoupled weight decay, in place (docs/optimizers.md §3.3); step counts from 1.
+    ``bias_correction=False`` drops the ``1-β^t`` factors: ``m / (sqrt(v) + eps)``."""
     if weight_decay:
         theta.mul_(1.0 - lr * weight_decay)
+    if not bias_correction:
+        adam_moments_(grad, exp_avg, exp_avg_sq, *betas)
+        denom = torch.sqrt(exp_avg_sq).add_(eps)
+        theta.sub_(torch.div(exp_avg, denom, out=denom), alpha=lr)
+        return
     theta.sub_(adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps), alpha=lr)
 
 

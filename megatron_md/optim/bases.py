@@ -1,20 +1,96 @@
-"""More base updates for MD decoupling, beside ``md.MuonBase`` and ``md.AdamBase``: Lion and SOAP.
+"""The base updates of MD decoupling: the protocol (``BaseUpdate``) and Muon, Adam, Lion, SOAP, AdEMAMix and
+normalised momentum.
 
-A base turns the direction gradient Ĝ into the update U of ``Ŵ <- Π(Ŵ - lr·U)`` (``md.BaseUpdate``). The MD
-paper's research branch ran Lion among its bases; SOAP comes from NVIDIA's emerging-optimizers (its Kronecker
-factors, eigenbasis refresh and projections), the optimizer family megatron-core's own Muon is taken from.
+A base turns the direction gradient Ĝ into the update U of ``Ŵ <- Π(Ŵ - lr·U)``; ``md.py`` runs it inside the MD
+step. Muon and Adam are the MD paper's bases; its research branch ran Lion, AdEMAMix and normalised momentum
+among them; SOAP comes from NVIDIA's emerging-optimizers (its Kronecker factors, eigenbasis refresh and
+projections), the optimizer family megatron-core's own Muon is taken from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
 import torch
 
-from .adam import adam_direction
+from .adam import adam_direction, adam_moments_and_denominator, adam_step_size
 from .blocks import Block, add_block_, get_block
-from .md import AdamBase, BaseUpdate, MDHyperParams, MuonBase
+from .geometry import project_direction_
+from .md import MDHyperParams
+from .msign import scale_factor
+from .sphere import LOCAL_REDUCER, Reducer
+
+
+class BaseUpdate:
+    """Turns the direction gradient Ĝ into an update U, applied as ``Ŵ <- Π(Ŵ - lr·U)``.
+
+    In phases: ``direction`` (state update, may reuse Ĝ's memory), then, when ``orthogonalizes``, every block of
+    the direction goes through msign elsewhere (an engine may batch it across matrices and ranks), then
+    ``descend_`` subtracts ``lr·U`` from Ŵ (``reducer``: sums over the matrix's axes, for a base that needs
+    norms of a tensor-parallel shard).
+    """
+
+    orthogonalizes = False
+    writes_direction_grad = False  # True: ``direction`` may overwrite Ĝ (the caller then hands it a copy)
+    has_step = False  # True: keeps its own step counter in ``state["step"]`` (bias corrections)
+    side_state: tuple[str, ...] = ()  # state entries not shaped like the parameter (checkpointed separately)
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        raise NotImplementedError
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``scratch``: a matrix-sized buffer the base may use for its result (or None)."""
+        raise NotImplementedError
+
+    def descend_(self, W_hat: torch.Tensor, direction: torch.Tensor, state: dict, hp: MDHyperParams,
+                 blocks: Sequence[Block], orthogonalized: Sequence[torch.Tensor] | None,
+                 reducer: Reducer = LOCAL_REDUCER) -> None:
+        raise NotImplementedError
+
+
+class MuonBase(BaseUpdate):
+    """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (docs/optimizers.md §1.5)."""
+
+    orthogonalizes = True
+    writes_direction_grad = True  # Nesterov's lerp runs in Ĝ's memory
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        buf = state["momentum_buffer"]
+        buf.lerp_(g_hat, 1.0 - hp.momentum)
+        return g_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
+        for blk, O in zip(blocks, orthogonalized):
+            add_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
+
+
+class AdamBase(BaseUpdate):
+    """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, docs/optimizers.md §1.5)."""
+
+    has_step = True
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        state["step"] = torch.tensor(0.0)
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """Moments updated; returns the denominator (in ``scratch`` if given): ``descend_`` divides the momentum
+        by it. Ĝ is only read."""
+        state["step"] += 1
+        return adam_moments_and_denominator(g_hat, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
+                                            hp.betas, hp.eps, out=scratch)
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
+        W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
 
 
 def sign_scale(block_shape: tuple[int, int]) -> float:
@@ -40,7 +116,8 @@ class LionBase(BaseUpdate):
         m.lerp_(g_hat, 1.0 - b2)
         return u.sign_()
 
-    def descend_(self, W_hat, direction, state, hp, blocks: Sequence[Block], orthogonalized) -> None:
+    def descend_(self, W_hat, direction, state, hp, blocks: Sequence[Block], orthogonalized,
+                 reducer=LOCAL_REDUCER) -> None:
         for blk in blocks:
             add_block_(W_hat, blk, get_block(direction, blk), -hp.lr * sign_scale(blk.shape))
 
@@ -96,8 +173,84 @@ class SoapBase(BaseUpdate):
         update = adam_direction(rotated, state["exp_avg"], state["exp_avg_sq"], t, hp.betas, hp.eps)
         return precondition(update, Q, dims=[[0], [1]])
 
-    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
         W_hat.add_(direction, alpha=-hp.lr)
 
 
-BASES = {"muon": MuonBase, "adam": AdamBase, "lion": LionBase, "soap": SoapBase}
+def _half_life(beta: float) -> float:
+    """Steps after which an EMA with factor ``beta`` has halved a sample: ``beta^h = 1/2`` (0 for ``beta = 0``)."""
+    return math.log(0.5) / math.log(beta) if beta > 0 else 0.0
+
+
+def ademamix_schedule(step: int | float, hp: MDHyperParams) -> tuple[float, float]:
+    """(α, β3) at base step ``step`` (from 1). α rises linearly from 0 over ``ademamix_alpha_warmup`` steps; β3
+    goes from β1 to its value over ``ademamix_beta3_warmup`` steps linearly in half-life, so the slow EMA's
+    memory grows steadily (a linear ramp in β3 would spend nearly all of it near β1). 0: no warmup."""
+    alpha, beta3 = hp.ademamix_alpha, hp.ademamix_beta3
+    if step < hp.ademamix_alpha_warmup:
+        alpha *= step / hp.ademamix_alpha_warmup
+    if step < hp.ademamix_beta3_warmup:
+        frac = step / hp.ademamix_beta3_warmup
+        h = (1.0 - frac) * _half_life(hp.betas[0]) + frac * _half_life(beta3)
+        beta3 = 0.5 ** (1.0 / h) if h > 0 else 0.0
+    return alpha, beta3
+
+
+class AdEMAMixBase(BaseUpdate):
+    """AdEMAMix (Pagliardini et al. 2024) on Ĝ: Adam's moments plus a slow, not bias-corrected EMA ``m_s`` of Ĝ,
+    ``U = (m̂ + α·m_s) / (sqrt(v̂) + ε)``, with the warmups of ``ademamix_schedule``; no scale factor (as Adam)."""
+
+    has_step = True
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        AdamBase.init_state(self, p, state)
+        state["exp_avg_slow"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``(m + α(1-β1^t)·m_s) / denominator``; ``descend_`` multiplies by Adam's step size
+        ``sqrt(1-β2^t)/(1-β1^t)``, which makes it the update above. Ĝ is only read."""
+        state["step"] += 1
+        t = state["step"].item()
+        alpha, beta3 = ademamix_schedule(t, hp)
+        state["exp_avg_slow"].lerp_(g_hat, 1.0 - beta3)
+        denom = adam_moments_and_denominator(g_hat, state["exp_avg"], state["exp_avg_sq"], t, hp.betas, hp.eps,
+                                             out=scratch)
+        num = torch.add(state["exp_avg"], state["exp_avg_slow"], alpha=alpha * (1.0 - hp.betas[0] ** t))
+        return torch.div(num, denom, out=denom)
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
+        W_hat.add_(direction, alpha=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
+
+
+class NormalizedBase(BaseUpdate):
+    """Muon with msign replaced by a projection (the authors' "poor man's orthogonalisation"): momentum and
+    Nesterov as ``MuonBase``, then each block of the direction put on the group's sphere at unit radius scale
+    (flat: ``sqrt(max(M_b, N_b))``; row / col: unit rows / columns; Sinkhorn spheres and the spectral kind as in
+    ``geometry.py``; never a ball) and scaled like Muon's msign, ``s(M_b, N_b) · radius_scale``. No Newton-Schulz
+    (except under ``sphere_kind='orthogonal'``, whose projection is msign itself and needs whole blocks), and
+    the norms run through the reducer, so it works on tensor-parallel shards with no gather."""
+
+    writes_direction_grad = True  # Nesterov's lerp (or the momentum's copy) and the projection run in Ĝ's memory
+
+    def init_state(self, p: torch.Tensor, state: dict) -> None:
+        MuonBase.init_state(self, p, state)
+
+    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+        buf = state["momentum_buffer"]
+        buf.lerp_(g_hat, 1.0 - hp.momentum)
+        # a copy without Nesterov: descend_ projects the direction in place and the momentum must survive
+        return g_hat.lerp_(buf, hp.momentum) if hp.nesterov else g_hat.copy_(buf)
+
+    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
+        # the group's sphere (mode, kind, Sinkhorn sweeps) at unit radius scale, always onto it (never a ball);
+        # on the update's blocks: l2 flat / row / col is sphere.py's own projection
+        project_direction_(direction, blocks, dataclasses.replace(hp.geometry, ball=False, radius_scale=1.0), reducer)
+        for blk in blocks:
+            add_block_(W_hat, blk, get_block(direction, blk),
+                       -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
+
+
+BASES = {"muon": MuonBase, "adam": AdamBase, "lion": LionBase, "soap": SoapBase, "ademamix": AdEMAMixBase,
+         "norm": NormalizedBase}

@@ -21,13 +21,14 @@ Tensor-parallel glue gathers the full matrix and calls ``manifold_step_(W_full, 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 
 from .manifolds import MANIFOLDS, init_on_manifold, is_wide, manifold_muon, manifold_muon_fast, polar_express
-from .md import matrix_params, qkv_row_index
+from .blocks import qkv_row_index
+from .md import matrix_params
 
 MODES = ("faithful", "fast")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
@@ -57,13 +58,11 @@ class ManifoldHyperParams:
     radius: float | None = None  # sphere radius (None: keep the current one)
     split_qkv: bool = False
     qkv_split_shapes: tuple[int, int, int] | None = None
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_group(cls, group: dict) -> "ManifoldHyperParams":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        hp = cls(**{k: v for k, v in group.items() if k in names},
-                 extra={k: v for k, v in group.items() if k not in names and k != "params"})
+        names = {f.name for f in dataclasses.fields(cls)}
+        hp = cls(**{k: v for k, v in group.items() if k in names})
         if isinstance(hp.msign_dtype, str):
             hp.msign_dtype = _DTYPES.get(hp.msign_dtype, hp.msign_dtype)
         return hp

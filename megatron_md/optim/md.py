@@ -1,13 +1,17 @@
-"""Magnitude-Direction (MD) decoupling mathematics, shared by MuonMD and AdamMD (docs/optimizers.md §1).
+"""Magnitude-Direction (MD) decoupling mathematics, shared by the MD optimizers (docs/optimizers.md §1).
 
 A managed matrix is stored fused, ``W = diag(γ_r) · Ŵ · diag(γ_c)``: the direction ``Ŵ`` lives on a sphere,
-the gains ``γ = φ(ρ)`` live in optimizer state. One step (``md_step_``) follows §1.4 in order.
+the gains ``γ = φ(ρ)`` live in optimizer state (``gains.py``: layouts, parametrisations, gain algebra). One step
+(``md_step_``) follows §1.4 in order; the base update that turns the direction gradient into a step (Muon,
+Adam, Lion, SOAP, AdEMAMix, normalised momentum) is passed in (``bases.py``).
 
-Options of the authors' code (docs/optimizers.md §1.2-1.4): gains per row and column, per row, per column, one per matrix
-(``flat``) or ``embed`` (row gains, column gains on out-projections); parametrisations softplus / direct /
-offset / exp; ``preserve_init`` (gains seeded with the initial norms instead of projecting the weights);
-the tangential gradient (``tangent_grad``, ``--hs-p``) and the update normalised onto the sphere
-(``normalize_update``, ``--hs-u``).
+Options of the authors' code (docs/optimizers.md §1.2-1.4, §1.13): gains per row and column, per row, per column,
+one per matrix (``flat``), ``embed`` (row gains, column gains on out-projections), ``lowrank``, per-block Q/K/V
+column gains; parametrisations softplus / direct / offset / exp with a floor ``gains_min``; ``preserve_init``
+(gains seeded with the initial norms instead of projecting the weights); the tangential gradient
+(``tangent_grad``, ``--hs-p``) and the update normalised onto the sphere (``normalize_update``, ``--hs-u``);
+the Sinkhorn spheres, the spectral and orthogonal sphere kinds, the ball and per-head spheres and Newton-Schulz
+(``geometry.py``).
 
 Every reduction over a matrix axis goes through a ``Reducer`` (``sphere.py``) so the same code runs on
 tensor-parallel shards: a TP subclass all-reduces the partial sums when the reduced axis is sharded and
@@ -18,42 +22,34 @@ process groups.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .adam import adam_, adam_direction, adam_moments_and_denominator, adam_step_size  # noqa: F401 (re-export)
-from .blocks import (  # noqa: F401 (qkv_row_index re-exported: callers import it from md)
-    Block,
-    add_block_,
-    block_view,
-    get_block,
-    matrix_blocks,
-    qkv_row_index,
-    set_block_,
+from .adam import adam_
+from .blocks import Block, get_block, matrix_blocks
+from .gains import (
+    _scaled,
+    current_gains,
+    direction_grad,
+    gain_grads_fused,
+    gain_param,
+    init_gain_state,
+    lowrank_grads,
+    recover_direction,
+    rho_floor,
 )
+from .geometry import SINKHORN, SPHERE_KINDS, Geometry, project_direction_, sphere_factors
 from .msign import msign, scale_factor
-from .sphere import (  # noqa: F401 (re-exported: the sphere used to live here)
-    LOCAL_REDUCER,
-    Reducer,
-    blocks_sphere_scale,
-    flat_radius,
-    project_,
-    project_blocks_,
-    sphere_scale,
-    tangent_,
-)
+from .sphere import LOCAL_REDUCER, Reducer, blocks_sphere_scale, tangent_
+
+if TYPE_CHECKING:  # bases.py imports MDHyperParams from here at run time
+    from .bases import BaseUpdate
 
 MaybeTensor = torch.Tensor | None
-SPHERES = ("flat", "row", "col", "embed")
-GAIN_MODES = ("rowcol", "row", "col", "flat", "embed", "none")
-GAIN_AXES = ("row", "col", "flat")  # state keys rho_<axis>, exp_avg_<axis>, exp_avg_sq_<axis>
-DIRECTION_CLAMP = 1e-8  # floor of each gain when undoing the gains
-
-
+SPHERES = ("flat", "row", "col", "embed", *SINKHORN)
+GAIN_MODES = ("rowcol", "row", "col", "flat", "embed", "lowrank", "none")
 
 
 def matrix_params(param_group: dict, owner: str) -> list[torch.Tensor]:
@@ -70,48 +66,6 @@ def matrix_params(param_group: dict, owner: str) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Gain parametrisation γ = φ(ρ)
-
-
-@dataclass(frozen=True)
-class GainParam:
-    """``phi`` maps raw state to gains, ``phi_inv`` inverts it, ``phi_prime`` is dφ/dρ (for the chain rule)."""
-
-    name: str
-    phi: Callable[[torch.Tensor], torch.Tensor]
-    phi_inv: Callable[[torch.Tensor], torch.Tensor]
-    phi_prime: Callable[[torch.Tensor], torch.Tensor]
-    rho_floor: float | None = None  # "direct": ρ is clamped here after each gain step
-
-
-def _softplus_inv(x: torch.Tensor) -> torch.Tensor:
-    # log(exp(x) - 1) written so it neither overflows for large x nor cancels for small x.
-    return x + torch.log1p(-torch.exp(-x))
-
-
-def gain_param(kind: str = "softplus", gmin: float = 1e-5) -> GainParam:
-    """The parametrisation named ``kind``: "softplus" (default, ρ0 = ln(e-1)), "direct" (γ = ρ >= gmin),
-    "offset" (γ = 1 + ρ, ρ0 = 0), "exp"."""
-    if kind == "softplus":
-        return GainParam("softplus", F.softplus, _softplus_inv, torch.sigmoid)
-    if kind == "direct":
-        # The floor keeps gains positive (the authors' ablation saw gains reach 0 / flip sign without it).
-        # ρ itself is clamped after each update, so φ is the identity wherever it is evaluated and φ' = 1.
-        return GainParam(
-            "direct",
-            lambda r: r.clamp_min(gmin),
-            lambda x: x.clamp_min(gmin),
-            torch.ones_like,
-            rho_floor=gmin,
-        )
-    if kind == "offset":
-        return GainParam("offset", lambda r: 1.0 + r, lambda x: x - 1.0, torch.ones_like)
-    if kind == "exp":
-        return GainParam("exp", torch.exp, torch.log, torch.exp)
-    raise ValueError(f"unknown gain_param {kind!r}; choose softplus, direct, offset or exp")
-
-
-# ----------------------------------------------------------------------------------------------------
 # Hyper-parameters of one param group
 
 
@@ -124,17 +78,31 @@ class MDHyperParams:
     sphere: str = "flat"
     gains: str = "rowcol"
     gain_param: str = "softplus"
-    gmin: float = 1e-5
     weight_decay: float = 0.0
     gains_betas: tuple[float, float] = (0.9, 0.99)
     gains_eps: float = 1e-8
     gains_weight_decay: float | None = None  # None: same as weight_decay (docs/optimizers.md §1.7)
+    # Gain options of docs/optimizers.md §1.13 (gains.py)
+    gains_bias_correction: bool = True  # False: the gains' Adam without the 1-β^t factors
+    gains_min: float | None = None  # floor on φ(ρ) after each gain step; None: 1e-5 for direct, else off
+    gains_no_clamp: bool = False  # recover Ŵ with the true gains, not each floored at 1e-8
+    split_qkv_gains: bool = False  # fused QKV: one column-gain vector per Q/K/V block
+    gains_rank: int = 4  # lowrank: k of Γ = max(1 + A·B, floor), capped at min(m, n)
+    gains_lowrank_init_std: float | None = None  # lowrank: std of A's draw; None: 1/sqrt(k)
+    gains_lowrank_min: float = 1e-2  # lowrank: the floor of Γ (0: 1e-8)
+    gains_lowrank_seed: int = 0  # lowrank: added to the per-matrix seed of A's draw
     qkv_split_shapes: tuple[int, int, int] | None = None
     radius_scale: float = 1.0  # flat-sphere radius multiplier (paper option: 1/sqrt(2L) on out-projections)
     out_proj: bool = False  # the group holds out-projections (attention proj, fc2): "embed" means col for them
     preserve_init: bool = False  # seed the gains with the initial norms instead of projecting the weights
     tangent_grad: bool = False  # --hs-p: drop Ĝ's radial component at Ŵ before the base update
     normalize_update: bool = False  # --hs-u: put the base update on Ŵ's sphere before the step
+    sphere_kind: str = "l2"  # flat sphere's norm: l2 (Frobenius), spectral, orthogonal (Ŵ = r·msign(Ŵ))
+    sphere_iters: int = 10  # Sinkhorn sweeps (rowcol, invrowcol) and power iterations (spectral)
+    ball: bool = False  # shrink onto the sphere only from outside: ‖Ŵ‖ <= r instead of = r
+    split_heads: bool = False  # fused QKV: a sphere per attention head instead of per Q/K/V block
+    split_heads_update: bool = False  # fused QKV: Newton-Schulz per attention head (Muon base)
+    head_dim: int | None = None  # rows per head for split_heads*; None: kv_channels from qkv_split_shapes
     # Muon base
     momentum: float = 0.95
     nesterov: bool = True
@@ -148,19 +116,28 @@ class MDHyperParams:
     lion_betas: tuple[float, float] = (0.9, 0.99)
     # SOAP base: Kronecker-factor EMA and how often the eigenbasis is refreshed
     soap_shampoo_beta: float = 0.95
-    extra: dict = field(default_factory=dict)  # unknown group keys, for future base updates
+    # AdEMAMix base: slow EMA (β3) added with weight α; both warm up over that many base steps (0: off)
+    ademamix_beta3: float = 0.999
+    ademamix_alpha: float = 5.0
+    ademamix_beta3_warmup: int = 0
+    ademamix_alpha_warmup: int = 0
+    md_base: str | None = None  # the group's base update by its BASES name (trainer groups); None: the optimizer's
 
     @classmethod
     def from_group(cls, group: dict) -> "MDHyperParams":
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in group.items() if k in names}
-        extra = {k: v for k, v in group.items() if k not in names and k != "params"}
-        return cls(**known, extra=extra)
+        """The group's MD options; other keys of the group (megatron's LR bands, roles) are not ours."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in group.items() if k in names})
 
     @property
     def sphere_mode(self) -> str:
         """The sphere of this group's matrices: ``embed`` resolved to ``col`` for out-projections, else ``row``."""
         return ("col" if self.out_proj else "row") if self.sphere == "embed" else self.sphere
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.sphere_mode, self.sphere_kind, self.ball, self.radius_scale, self.sphere_iters,
+                        self.ns_steps, self.ns_coefficients)
 
     @property
     def gains_mode(self) -> str:
@@ -175,173 +152,74 @@ class MDHyperParams:
         if self.preserve_init and self.gains_mode == "none":
             raise ValueError("preserve_init keeps the initial magnitudes in the gains, so it needs gains; "
                              "choose gains other than 'none' or drop preserve_init")
-        gain_param(self.gain_param, self.gmin)
+        gain_param(self.gain_param)
+        _check_gain_options(self)
+        b1, b2 = self.gains_betas
+        for name, value in (("gains_betas[0]", b1), ("gains_betas[1]", b2), ("ademamix_beta3", self.ademamix_beta3)):
+            _need(0.0 <= value < 1.0, f"{name} must be in [0, 1), got {value}")
+        _need(self.gains_eps >= 0, f"gains_eps must be >= 0, got {self.gains_eps}")
+        _need(self.gains_weight_decay is None or self.gains_weight_decay >= 0,
+              f"gains_weight_decay must be >= 0 or None (= weight_decay), got {self.gains_weight_decay}")
+        _need(self.ademamix_alpha >= 0, f"ademamix_alpha must be >= 0, got {self.ademamix_alpha}")
+        for name in ("ademamix_beta3_warmup", "ademamix_alpha_warmup"):
+            value = getattr(self, name)
+            _need(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0 (0: off), got {value!r}")
         scale_factor(1, 1, self.scale_mode)
         split = self.qkv_split_shapes
         if split is not None and (len(split) != 3 or min(split) <= 0):
             raise ValueError(f"qkv_split_shapes must be three positive row counts, got {split}")
+        self._validate_geometry()
+
+    def _validate_geometry(self) -> None:
+        kind = self.sphere_kind
+        if kind not in SPHERE_KINDS:
+            raise ValueError(f"unknown sphere_kind {kind!r}; choose one of {SPHERE_KINDS}")
+        if kind != "l2" and self.sphere != "flat":
+            raise ValueError(f"sphere_kind={kind!r} fixes a norm of the whole matrix (block, head), so it needs "
+                             f"sphere='flat', got sphere={self.sphere!r}")
+        if not isinstance(self.sphere_iters, int) or self.sphere_iters < 1:
+            raise ValueError(f"sphere_iters (Sinkhorn sweeps, power iterations) must be an integer >= 1, "
+                             f"got {self.sphere_iters!r}")
+        if self.ball and kind == "orthogonal":
+            raise ValueError("ball shrinks a norm down to the radius, but sphere_kind='orthogonal' sets every "
+                             "singular value, which has no inside; drop ball or use sphere_kind 'l2' or 'spectral'")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
+            raise ValueError(f"head_dim must be a positive integer (kv_channels), got {self.head_dim!r}")
+        if self.tangent_grad and (kind != "l2" or self.sphere in SINKHORN):
+            raise ValueError(f"tangent_grad removes the radial part on the l2 flat, row and column spheres only; "
+                             f"sphere={self.sphere!r} with sphere_kind={kind!r} has no tangent projection here")
+        if self.preserve_init and kind == "orthogonal":
+            raise ValueError("preserve_init keeps the initial magnitudes in the gains, but sphere_kind='orthogonal' "
+                             "changes the singular values, which no gains can hold; drop one of them")
 
     @property
     def effective_gains_weight_decay(self) -> float:
         return self.weight_decay if self.gains_weight_decay is None else self.gains_weight_decay
 
 
-# ----------------------------------------------------------------------------------------------------
-# Gain algebra. A flat (per-matrix) gain travels as a 0-dim ``g_row``: it scales the whole matrix.
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
 
 
-def _scaled(t: torch.Tensor, row: MaybeTensor, col: MaybeTensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``diag(row) · t · diag(col)`` by broadcasting, never materialising the m x n outer product.
-    ``row``/``col`` may be vectors, ``[m,1]``/``[1,n]`` factors or scalars; a new tensor unless ``out`` is given."""
-    r = row.unsqueeze(1) if isinstance(row, torch.Tensor) and row.ndim == 1 else row
-    c = col.unsqueeze(0) if isinstance(col, torch.Tensor) and col.ndim == 1 else col
-    if r is None and c is None:
-        return t.clone() if out is None else out.copy_(t)
-    first, second = (r, c) if r is not None else (c, None)
-    res = torch.mul(t, first, out=out) if out is not None else t * first
-    return res.mul_(second) if second is not None else res
-
-
-def recover_direction(W: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
-    """Ŵ = W ⊘ (γ_r γ_cᵀ) (each gain floored at 1e-8); always a new tensor."""
-    inv = [None if g is None else g.clamp_min(DIRECTION_CLAMP).reciprocal() for g in (g_row, g_col)]
-    return _scaled(W, *inv)
-
-
-def gain_grads(
-    G: torch.Tensor, W_hat: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor, reducer: Reducer = LOCAL_REDUCER
-) -> tuple[MaybeTensor, MaybeTensor]:
-    """∂L/∂γ_r = rowsum(G ⊙ Ŵ ⊙ γ_cᵀ), ∂L/∂γ_c = colsum(G ⊙ Ŵ ⊙ γ_r) (before the φ' factor); a flat gain
-    (0-dim ``g_row``): ∂L/∂γ = Σ G ⊙ Ŵ, shape ``[1]``."""
-    GW = G * W_hat
-    d_row = d_col = None
-    if g_row is not None and g_row.ndim == 0:
-        return reducer.sum_all(GW).reshape(1), None
-    if g_row is not None:
-        d_row = reducer.sum_over_cols(GW if g_col is None else GW * g_col.unsqueeze(0))
-    if g_col is not None:
-        d_col = reducer.sum_over_rows(GW if g_row is None else GW * g_row.unsqueeze(1))
-    return d_row, d_col
-
-
-def gain_grads_fused(
-    G: torch.Tensor, W: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor, reducer: Reducer = LOCAL_REDUCER
-) -> tuple[MaybeTensor, MaybeTensor, torch.Tensor | None]:
-    """``gain_grads`` from the FUSED weight: ``Ŵ ⊙ γ_cᵀ = W ⊘ γ_r``, so ∂L/∂γ_r = rowsum(G ⊙ W) / γ_r and
-    ∂L/∂γ_c = colsum(G ⊙ W) / γ_c — one product instead of recovering Ŵ and two scaled copies. Also returns
-    that product's buffer (free for reuse; None without gains)."""
-    if g_row is None and g_col is None:
-        return None, None, None
-    GW = G * W
-    if g_row is not None and g_row.ndim == 0:  # flat: Σ G ⊙ Ŵ = Σ G ⊙ W / γ
-        return reducer.sum_all(GW).div_(g_row).reshape(1), None, GW
-    d_row = None if g_row is None else reducer.sum_over_cols(GW).div_(g_row)
-    d_col = None if g_col is None else reducer.sum_over_rows(GW).div_(g_col)
-    return d_row, d_col, GW
-
-
-def direction_grad(G: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
-    """Ĝ = ∂L/∂Ŵ = G ⊙ (γ_r γ_cᵀ); always a new tensor."""
-    return _scaled(G, g_row, g_col)
-
-
-def refuse(W_hat: torch.Tensor, g_row: MaybeTensor, g_col: MaybeTensor) -> torch.Tensor:
-    """W = diag(γ_r) · Ŵ · diag(γ_c)."""
-    return W_hat if g_row is None and g_col is None else _scaled(W_hat, g_row, g_col)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Base updates on the direction gradient Ĝ (pluggable: Lion, SOAP, ... implement the same protocol)
-
-Orthogonalize = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
-
-
-@dataclass
-class MatrixLayout:
-    """What a base update may need beyond Ĝ: the blocks and how to orthogonalise one (TP glue overrides).
-
-    ``orthogonalize(U_block, global_block_shape)`` returns a NEW tensor ≈ msign(U_block), unscaled.
-    """
-
-    blocks: list[Block]
-    orthogonalize: Orthogonalize
-
-
-class BaseUpdate:
-    """Turns the direction gradient Ĝ into an update U, applied as ``Ŵ <- Π(Ŵ - lr·U)``.
-
-    In phases: ``direction`` (state update, may reuse Ĝ's memory), then, when ``orthogonalizes``, every block of
-    the direction goes through msign elsewhere (an engine may batch it across matrices and ranks), then
-    ``descend_`` subtracts ``lr·U`` from Ŵ. ``update`` runs the three in one go. More bases: ``bases.py``.
-    """
-
-    orthogonalizes = False
-    writes_direction_grad = False  # True: ``direction`` may overwrite Ĝ (the caller then hands it a copy)
-    has_step = False  # True: keeps its own step counter in ``state["step"]`` (bias corrections)
-    side_state: tuple[str, ...] = ()  # state entries not shaped like the parameter (checkpointed separately)
-
-    def init_state(self, p: torch.Tensor, state: dict) -> None:
-        raise NotImplementedError
-
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
-                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """``scratch``: a matrix-sized buffer the base may use for its result (or None)."""
-        raise NotImplementedError
-
-    def descend_(self, W_hat: torch.Tensor, direction: torch.Tensor, state: dict, hp: MDHyperParams,
-                 blocks: Sequence[Block], orthogonalized: Sequence[torch.Tensor] | None) -> None:
-        raise NotImplementedError
-
-    def update(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams, layout: MatrixLayout) -> torch.Tensor:
-        """The update U itself (a new tensor): ``descend_`` on zeros, negated."""
-        d = self.direction(g_hat.clone(), state, hp, None)
-        orth = ([layout.orthogonalize(get_block(d, b), b.shape) for b in layout.blocks]
-                if self.orthogonalizes else None)
-        out = torch.zeros_like(d)
-        self.descend_(out, d, state, dataclasses.replace(hp, lr=-1.0), layout.blocks, orth)
-        return out
-
-
-class MuonBase(BaseUpdate):
-    """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (docs/optimizers.md §1.5)."""
-
-    orthogonalizes = True
-    writes_direction_grad = True  # Nesterov's lerp runs in Ĝ's memory
-
-    def init_state(self, p: torch.Tensor, state: dict) -> None:
-        state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
-                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-        buf = state["momentum_buffer"]
-        buf.lerp_(g_hat, 1.0 - hp.momentum)
-        return g_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
-
-    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
-        for blk, O in zip(blocks, orthogonalized):
-            add_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
-
-
-class AdamBase(BaseUpdate):
-    """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, docs/optimizers.md §1.5)."""
-
-    has_step = True
-
-    def init_state(self, p: torch.Tensor, state: dict) -> None:
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        state["step"] = torch.tensor(0.0)
-
-    def direction(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
-                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """Moments updated; returns the denominator (in ``scratch`` if given): ``descend_`` divides the momentum
-        by it. Ĝ is only read."""
-        state["step"] += 1
-        return adam_moments_and_denominator(g_hat, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-                                            hp.betas, hp.eps, out=scratch)
-
-    def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized) -> None:
-        W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
+def _check_gain_options(hp: MDHyperParams) -> None:
+    """The gain options of docs/optimizers.md §1.13, each refusal naming its option."""
+    _need(hp.gains_min is None or hp.gains_min >= 0, f"gains_min must be >= 0 (0: no floor), got {hp.gains_min}")
+    _need(isinstance(hp.gains_rank, int) and hp.gains_rank >= 1, f"gains_rank must be an integer >= 1, got "
+          f"{hp.gains_rank!r}")
+    _need(hp.gains_lowrank_init_std is None or hp.gains_lowrank_init_std > 0,
+          f"gains_lowrank_init_std must be > 0 or None (1/sqrt(rank)), got {hp.gains_lowrank_init_std}")
+    _need(hp.gains_lowrank_min >= 0, f"gains_lowrank_min must be >= 0, got {hp.gains_lowrank_min}")
+    _need(isinstance(hp.gains_lowrank_seed, int), f"gains_lowrank_seed must be an integer, got "
+          f"{hp.gains_lowrank_seed!r}")
+    if hp.gains_mode == "lowrank":
+        _need(not hp.preserve_init, "preserve_init needs row, column or flat gains to hold the initial norms; "
+              "gains='lowrank' starts at exactly 1 (drop preserve_init or choose other gains)")
+        _need(not hp.gains_min, "gains_min floors φ(ρ) of row/column/flat gains; lowrank gains have their own "
+              "floor, gains_lowrank_min")
+    _need(not hp.split_qkv_gains or hp.gains in ("rowcol", "col"),
+          f"split_qkv_gains gives each Q/K/V block its own column gains, so it needs column gains (gains "
+          f"'rowcol' or 'col'); the group has gains={hp.gains!r}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -349,31 +227,17 @@ class AdamBase(BaseUpdate):
 
 
 def init_md_state(p: torch.Tensor, state: dict, hp: MDHyperParams, base: BaseUpdate,
-                  seed: tuple[MaybeTensor, MaybeTensor] | None = None) -> None:
+                  seed: tuple[MaybeTensor, MaybeTensor] | None = None, reducer: Reducer = LOCAL_REDUCER) -> None:
     """Gains at exactly 1 (ρ0 = φ⁻¹(1)), or at ``seed`` (``preserve_init``), with zero Adam moments, plus the
     base update's state."""
-    gp = gain_param(hp.gain_param, hp.gmin)
-    m, n = p.shape
-    rho0 = gp.phi_inv(torch.ones((), dtype=torch.float32)).item()
-    mode = hp.gains_mode
-    for axis, size in (("row", m), ("col", n), ("flat", 1)):
-        if mode in ("rowcol", axis) and not (axis == "flat" and mode != "flat"):
-            state[f"rho_{axis}"] = torch.full((size,), rho0, dtype=torch.float32, device=p.device)
-            state[f"exp_avg_{axis}"] = torch.zeros(size, dtype=torch.float32, device=p.device)
-            state[f"exp_avg_sq_{axis}"] = torch.zeros(size, dtype=torch.float32, device=p.device)
-    for axis, g in zip(("flat" if mode == "flat" else "row", "col"), seed or (None, None)):
-        if g is not None:
-            state[f"rho_{axis}"].copy_(gp.phi_inv(g.to(torch.float32).reshape(-1)))
+    init_gain_state(p, state, hp, seed, gain_split(p, hp), reducer)
     state["gain_step"] = torch.tensor(0.0)
     base.init_state(p, state)
 
 
-def current_gains(state: dict, hp: MDHyperParams) -> tuple[MaybeTensor, MaybeTensor]:
-    """(γ_r, γ_c) = φ(ρ) from the state; None for an axis without gains; a flat gain is a 0-dim γ_r."""
-    gp = gain_param(hp.gain_param, hp.gmin)
-    if "rho_flat" in state:
-        return gp.phi(state["rho_flat"]).reshape(()), None
-    return tuple(gp.phi(state[k]) if k in state else None for k in ("rho_row", "rho_col"))  # type: ignore
+def gain_split(p: torch.Tensor, hp: MDHyperParams) -> tuple[int, int, int] | None:
+    """The Q/K/V row counts when ``p``'s column gains are per block (``split_qkv_gains`` on a fused QKV)."""
+    return resolve_split_shapes(p, hp) if hp.split_qkv_gains else None
 
 
 def preserved_gains(W: torch.Tensor, blocks: list[Block], hp: MDHyperParams,
@@ -384,11 +248,20 @@ def preserved_gains(W: torch.Tensor, blocks: list[Block], hp: MDHyperParams,
     blocks) or a column factor (col sphere); the gains are ``1/s`` on the axis that can hold it (row gains win
     for a scalar under ``rowcol``). Returns ``(γ_r or the flat γ, γ_c)``; the other axis stays at 1.
     """
-    mode, gains = hp.sphere_mode, hp.gains_mode
-    if mode == "col" and len(blocks) > 1:
-        raise ValueError("preserve_init cannot hold per-block column norms of a fused QKV matrix in one column "
-                         "gain; use the flat or row sphere with preserve_init")
-    s = blocks_sphere_scale(W.to(torch.float32), blocks, mode, reducer, hp.radius_scale)
+    mode, gains, geo = hp.sphere_mode, hp.gains_mode, hp.geometry
+    if mode in ("col", *SINKHORN) and len(blocks) > 1:
+        raise ValueError(f"preserve_init cannot hold per-block (or per-head) column norms of a fused QKV matrix in "
+                         f"one column gain; use the flat or row sphere with preserve_init, not {mode!r}")
+    if geo.plain(blocks):
+        s = blocks_sphere_scale(W.to(torch.float32), blocks, mode, reducer, hp.radius_scale)
+    else:  # Sinkhorn: a row and a column factor, held by the row and column gains
+        s, s_col = sphere_factors(W.to(torch.float32, copy=True), blocks, geo, reducer)
+        if s is not None and s_col is not None:
+            if gains != "rowcol":
+                raise ValueError(f"preserve_init on the {mode} sphere keeps a norm per row and per column, which "
+                                 f"needs rowcol gains; the group has gains={hp.gains!r}")
+            return s.reciprocal().reshape(-1), s_col.reciprocal().reshape(-1)
+        s = s_col if s is None else s
     inv = s.reciprocal()
     m, n = W.shape
     if s.ndim == 0:
@@ -404,6 +277,10 @@ def preserved_gains(W: torch.Tensor, blocks: list[Block], hp: MDHyperParams,
     return (inv.reshape(-1), None) if axis == "row" else (None, inv.reshape(-1))
 
 
+# ``(U_block, global_block_shape) -> msign(U_block)``, a new tensor, unscaled; TP glue supplies its own.
+Orthogonalize = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
+
+
 def default_orthogonalize(hp: MDHyperParams) -> Orthogonalize:
     return lambda U, block_shape: msign(U, steps=hp.ns_steps, coefficients=hp.ns_coefficients)
 
@@ -414,14 +291,26 @@ def resolve_split_shapes(p: torch.Tensor, hp: MDHyperParams) -> tuple[int, int, 
     return None if split is None else tuple(int(s) for s in split)  # type: ignore[return-value]
 
 
+def md_blocks(p: torch.Tensor, hp: MDHyperParams,
+              reducer: Reducer = LOCAL_REDUCER) -> tuple[list[Block], list[Block]]:
+    """(update blocks, sphere blocks) of ``p``: its Q/K/V blocks (or the whole matrix), or one block per
+    attention head for the update with ``split_heads_update`` and for the sphere with ``split_heads``."""
+    split = resolve_split_shapes(p, hp)
+    blocks = matrix_blocks(p.shape, split, reducer, p.device)
+    if split is None or not (hp.split_heads or hp.split_heads_update):
+        return blocks, blocks
+    heads = matrix_blocks(p.shape, split, reducer, p.device, hp.head_dim, per_head=True)
+    return (heads if hp.split_heads_update else blocks), (heads if hp.split_heads else blocks)
+
+
 @dataclass
 class MDPrepared:
     """A matrix between the phases: its base direction (blocks awaiting msign for Muon) and gain gradients."""
 
     direction: torch.Tensor
-    d_row: MaybeTensor  # the flat gain's gradient when the gains are flat
-    d_col: MaybeTensor
-    blocks: list[Block]
+    gain_grads: dict[str, torch.Tensor]  # ∂L/∂(raw state) by axis: row, col, flat, lowrank_a, lowrank_b
+    blocks: list[Block]  # the update's blocks (msign, scale factors)
+    sphere_blocks: list[Block] | None = None  # the sphere's blocks, when they differ
 
     def blocks_to_orthogonalize(self) -> list[tuple[torch.Tensor, tuple[int, int]]]:
         """``(block of the direction, its global shape)`` for each block (Muon base)."""
@@ -432,29 +321,36 @@ class MDPrepared:
 def md_prepare(
     p: torch.Tensor, grad: torch.Tensor, state: dict, hp: MDHyperParams, base: BaseUpdate,
     reducer: Reducer = LOCAL_REDUCER, blocks: list[Block] | None = None,
+    sphere_blocks: list[Block] | None = None,
 ) -> MDPrepared:
     """Phases 1-5 (docs/optimizers.md §1.4): gain gradients with the OLD gains through φ', the direction
-    gradient Ĝ and the base direction (momentum, or Adam moments). ``p`` and the gains are not changed."""
-    gp = gain_param(hp.gain_param, hp.gmin)
-    if blocks is None:
-        blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), reducer, p.device)
-    G = grad.to(torch.float32)
-    g_row, g_col = current_gains(state, hp)
-    d_row, d_col, work = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer)
-    if d_row is not None:
-        d_row.mul_(gp.phi_prime(state["rho_flat" if "rho_flat" in state else "rho_row"]))
-    if d_col is not None:
-        d_col.mul_(gp.phi_prime(state["rho_col"]))
+    gradient Ĝ and the base direction (momentum, or Adam moments). ``p`` and the gains are not changed.
+    ``blocks`` / ``sphere_blocks``: the update's and the sphere's blocks (``md_blocks``), if known."""
+    if blocks is None or (sphere_blocks is None and (hp.split_heads or hp.split_heads_update)):
+        blocks, sphere_blocks = md_blocks(p, hp, reducer)
+    sphere_blocks = blocks if sphere_blocks is None else sphere_blocks
+    G, split = grad.to(torch.float32), gain_split(p, hp)
+    g_row, g_col = current_gains(state, hp, split)
+    if "rho_lowrank_a" in state:  # no φ: the factors are the raw state
+        d_a, d_b, work = lowrank_grads(G, p.to(torch.float32), g_row, state, reducer)
+        grads = {"lowrank_a": d_a, "lowrank_b": d_b}
+    else:
+        d_row, d_col, work = gain_grads_fused(G, p.to(torch.float32), g_row, g_col, reducer, split)
+        gp, grads = gain_param(hp.gain_param), {}
+        for axis, d in (("flat" if "rho_flat" in state else "row", d_row), ("col", d_col)):
+            if d is not None:
+                grads[axis] = d.mul_(gp.phi_prime(state[f"rho_{axis}"]))
     # Ĝ in the gain product's buffer; without gains it is G itself, copied only for a base that writes in
     # it. Fresh big allocations cost as much as a pass on CPU (page faults): at most one per matrix.
     if work is not None:
-        G_hat = scratch = _scaled(G, g_row, g_col, out=work)
+        G_hat = scratch = direction_grad(G, g_row, g_col, out=work)
     else:
         G_hat = G.clone() if base.writes_direction_grad or (hp.tangent_grad and G is grad) else G
         scratch = G_hat if G_hat is not G else None
     if hp.tangent_grad:  # --hs-p: only the part of Ĝ that turns Ŵ on its sphere
-        tangent_(G_hat, recover_direction(p.to(torch.float32), g_row, g_col), blocks, hp.sphere_mode, reducer)
-    return MDPrepared(base.direction(G_hat, state, hp, scratch), d_row, d_col, blocks)
+        W_hat = recover_direction(p.to(torch.float32), g_row, g_col, clamp=not hp.gains_no_clamp)
+        tangent_(G_hat, W_hat, sphere_blocks, hp.sphere_mode, reducer)
+    return MDPrepared(base.direction(G_hat, state, hp, scratch), grads, blocks, sphere_blocks)
 
 
 @torch.no_grad()
@@ -464,49 +360,57 @@ def md_finish_(
 ) -> None:
     """Phases 7-10 (docs/optimizers.md §1.4): the direction step (with msign's ``orthogonalized`` blocks for Muon), the
     sphere, Adam on the raw gains, and the re-fused weight written into ``p``."""
-    gp = gain_param(hp.gain_param, hp.gmin)
-    g_row, g_col = current_gains(state, hp)
+    split, clamp = gain_split(p, hp), not hp.gains_no_clamp
+    g_row, g_col = current_gains(state, hp, split)
     if p.dtype == torch.float32:  # Ŵ recovered in place: p is rewritten at the end anyway
-        inv = [None if g is None else g.clamp_min(DIRECTION_CLAMP).reciprocal() for g in (g_row, g_col)]
-        W_hat = p if g_row is None and g_col is None else _scaled(p, *inv, out=p)
+        W_hat = p if g_row is None and g_col is None else recover_direction(p, g_row, g_col, out=p, clamp=clamp)
     else:
-        W_hat = recover_direction(p.to(torch.float32), g_row, g_col)
+        W_hat = recover_direction(p.to(torch.float32), g_row, g_col, clamp=clamp)
     if hp.weight_decay:
         W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
+    geo, sphere_blocks = hp.geometry, prep.sphere_blocks or prep.blocks
     if hp.normalize_update:  # --hs-u: the update itself on Ŵ's sphere, so the relative step is lr exactly
         U = torch.zeros_like(W_hat)
-        base.descend_(U, prep.direction, state, dataclasses.replace(hp, lr=-1.0), prep.blocks, orthogonalized)
-        W_hat.sub_(project_blocks_(U, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale), alpha=hp.lr)
+        base.descend_(U, prep.direction, state, dataclasses.replace(hp, lr=-1.0), prep.blocks, orthogonalized,
+                      reducer)
+        W_hat.sub_(project_direction_(U, sphere_blocks, geo, reducer), alpha=hp.lr)
     else:
-        base.descend_(W_hat, prep.direction, state, hp, prep.blocks, orthogonalized)
-    scale = blocks_sphere_scale(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
+        base.descend_(W_hat, prep.direction, state, hp, prep.blocks, orthogonalized, reducer)
+    if geo.plain(sphere_blocks):
+        scale, scale_col = blocks_sphere_scale(W_hat, sphere_blocks, hp.sphere_mode, reducer, hp.radius_scale), None
+    else:  # None where absent; parts no factor holds are already applied to W_hat
+        scale, scale_col = sphere_factors(W_hat, sphere_blocks, geo, reducer)
 
-    if prep.d_row is not None or prep.d_col is not None:
+    if prep.gain_grads:
         state["gain_step"] += 1
         step = state["gain_step"].item()
-        row_axis = "flat" if "rho_flat" in state else "row"
-        for axis, d in ((row_axis, prep.d_row), ("col", prep.d_col)):
-            if d is None:
-                continue
+        floor = rho_floor(hp)  # gains_min: a projected step, φ(ρ) >= gains_min afterwards
+        for axis, d in prep.gain_grads.items():
             rho = state[f"rho_{axis}"]
             adam_(rho, d, state[f"exp_avg_{axis}"], state[f"exp_avg_sq_{axis}"], step, hp.gains_lr,
-                  hp.gains_betas, hp.gains_eps, hp.effective_gains_weight_decay)
-            if gp.rho_floor is not None:
-                rho.clamp_min_(gp.rho_floor)
-        g_row, g_col = current_gains(state, hp)
+                  hp.gains_betas, hp.gains_eps, hp.effective_gains_weight_decay,
+                  bias_correction=hp.gains_bias_correction)
+            if floor is not None:
+                rho.clamp_min_(floor)
+        g_row, g_col = current_gains(state, hp, split)
 
-    # Sphere and new gains in one write: W = diag(γ_r)·(s ⊙ Ŵ)·diag(γ_c); s is a scalar, a row or a column factor.
+    # Sphere and new gains in one write: W = diag(γ_r)·(s ⊙ Ŵ)·diag(γ_c); s is a scalar, a row or a column factor
+    # (and a Sinkhorn sphere's column factor in scale_col).
     row, col = g_row, g_col
-    if scale.ndim == 2 and scale.shape[1] == 1:
+    if scale is None:
+        pass
+    elif scale.ndim == 2 and scale.shape[1] == 1:
         row = scale if row is None else scale * (row.unsqueeze(1) if row.ndim == 1 else row)
     elif scale.ndim == 2:
-        col = scale if col is None else scale * col.unsqueeze(0)
+        col = scale if col is None else scale * (col.unsqueeze(0) if col.ndim == 1 else col)
     elif row is not None:
         row = row * scale
     elif col is not None:
         col = col * scale
     else:
         row = scale
+    if scale_col is not None:
+        col = scale_col if col is None else scale_col * (col.unsqueeze(0) if col.ndim == 1 else col)
     out = p if p.dtype == torch.float32 else None
     res = _scaled(W_hat, row, col, out=out)
     if out is None:
@@ -523,9 +427,10 @@ def md_step_(
     reducer: Reducer = LOCAL_REDUCER,
     orthogonalize: Orthogonalize | None = None,
     blocks: list[Block] | None = None,
+    sphere_blocks: list[Block] | None = None,
 ) -> None:
     """One MD step on matrix ``p`` in place, docs/optimizers.md §1.4 in order. ``state`` must be initialised."""
-    prep = md_prepare(p, grad, state, hp, base, reducer, blocks)
+    prep = md_prepare(p, grad, state, hp, base, reducer, blocks, sphere_blocks)
     orth = None
     if base.orthogonalizes:
         fn = orthogonalize or default_orthogonalize(hp)

@@ -1,6 +1,7 @@
-"""MuonMD and AdamMD: torch optimizers over 2-D matrices built on the MD phases of ``md.py`` (docs/optimizers.md §1).
+"""MuonMD, AdamMD, LionMD, SoapMD, AdEMAMixMD and NormMD: torch optimizers over 2-D matrices built on the MD phases
+of ``md.py`` and a base update of ``bases.py`` (docs/optimizers.md §1).
 
-Both project every managed matrix onto its sphere at construction and start the gains at exactly 1,
+Each projects every managed matrix onto its sphere at construction and starts the gains at exactly 1,
 so the first forward equals the projected model's. 1-D parameters (norm gains, biases) are refused:
 they belong in a plain AdamW beside this optimizer.
 
@@ -15,32 +16,29 @@ from typing import Any, Iterable
 
 import torch
 
-from .bases import LionBase, SoapBase
+from .bases import AdamBase, AdEMAMixBase, BaseUpdate, LionBase, MuonBase, NormalizedBase, SoapBase
+from .blocks import Block
+from .geometry import project_direction_
 from .md import (
-    LOCAL_REDUCER,
-    AdamBase,
-    BaseUpdate,
-    Block,
     MDHyperParams,
-    MuonBase,
     Orthogonalize,
-    Reducer,
     current_gains,
     default_orthogonalize,
+    gain_split,
     init_md_state,
-    matrix_blocks,
     matrix_params,
+    md_blocks,
     md_finish_,
     md_prepare,
     preserved_gains,
-    project_blocks_,
     recover_direction,
-    resolve_split_shapes,
 )
+from .sphere import LOCAL_REDUCER, Reducer
 
 
 class MDOptimizer(torch.optim.Optimizer):
-    """MD decoupling around a pluggable base update (``MuonBase``, ``AdamBase``, later Lion/SOAP...)."""
+    """MD decoupling around a pluggable base update (``bases.py``: ``MuonBase``, ``AdamBase``, ``LionBase``,
+    ``SoapBase``, ``AdEMAMixBase``, ``NormalizedBase``)."""
 
     # False: every matrix gets its state at construction. A subclass whose param groups are narrowed
     # after construction (a distributed optimizer handing each rank the matrices it owns) sets True:
@@ -49,7 +47,7 @@ class MDOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], defaults: dict, base: BaseUpdate):
         self.base = base  # set before super().__init__, which calls add_param_group
-        self._blocks: dict[torch.Tensor, list[Block]] = {}
+        self._blocks: dict[torch.Tensor, tuple[list[Block], list[Block]]] = {}  # (update, sphere) blocks
         self._seeds: dict[torch.Tensor, tuple] = {}  # preserve_init gains awaiting a lazily made state
         super().__init__(params, defaults)
 
@@ -73,6 +71,9 @@ class MDOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         hp = MDHyperParams.from_group(group)
         hp.validate()
+        if hp.split_heads_update and not self.base_for(hp).orthogonalizes:
+            raise ValueError(f"split_heads_update splits the Newton-Schulz orthogonalisation per attention head; "
+                             f"the {type(self.base_for(hp)).__name__} has none (use MuonMD, or drop it)")
         with torch.no_grad():
             for p in group["params"]:
                 self._init_param(p, hp, project=True, state=not self.lazy_state)
@@ -81,20 +82,25 @@ class MDOptimizer(torch.optim.Optimizer):
         """``project``: put ``p`` on its sphere (or, with ``preserve_init``, keep ``p`` and put its magnitudes
         in the gains); ``state``: make the optimizer state now (else on the first step)."""
         if project and hp.preserve_init:
-            self._seeds[p] = preserved_gains(p.data, self._param_blocks(p, hp), hp, self.reducer_for(p))
+            self._seeds[p] = preserved_gains(p.data, self._param_blocks(p, hp)[1], hp, self.reducer_for(p))
         elif project:
-            project_blocks_(p.data, self._param_blocks(p, hp), hp.sphere_mode, self.reducer_for(p), hp.radius_scale)
+            project_direction_(p.data, self._param_blocks(p, hp)[1], hp.geometry, self.reducer_for(p))
         if state and not self.state.get(p):
-            init_md_state(p, self.state[p], hp, self.base_for(hp), self._seeds.pop(p, None))
+            init_md_state(p, self.state[p], hp, self.base_for(hp), self._seeds.pop(p, None), self.reducer_for(p))
 
-    def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> list[Block]:
+    def _param_blocks(self, p: torch.Tensor, hp: MDHyperParams) -> tuple[list[Block], list[Block]]:
+        """(update blocks, sphere blocks) of ``p`` (``md.md_blocks``), cached."""
         blocks = self._blocks.get(p)
         if blocks is None:
-            blocks = matrix_blocks(p.shape, resolve_split_shapes(p, hp), self.reducer_for(p), p.device)
-            self._blocks[p] = blocks
+            blocks = self._blocks[p] = md_blocks(p, hp, self.reducer_for(p))
         return blocks
 
     # --- step ------------------------------------------------------------------------------------
+    def md_groups(self) -> list[dict]:
+        """The param groups the MD step runs on: all of them here; a subclass that steps some groups its own
+        way (Manifold Muon's manifold groups) narrows this."""
+        return self.param_groups
+
     def prepare_group(self, group: dict) -> None:
         """Hook run on each param group before its step (e.g. a schedule for extra group options)."""
 
@@ -118,7 +124,7 @@ class MDOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         waiting = []
-        for group in self.param_groups:
+        for group in self.md_groups():
             self.prepare_group(group)
             hp = MDHyperParams.from_group(group)
             base = self.base_for(hp)
@@ -128,7 +134,7 @@ class MDOptimizer(torch.optim.Optimizer):
                 if not self.state[p]:  # e.g. state dropped by a load without optimizer state
                     self._init_param(p, hp, project=False)
                 r = self.reducer_for(p)
-                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, self._param_blocks(p, hp))
+                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, *self._param_blocks(p, hp))
                 if base.orthogonalizes:
                     waiting.append((p, hp, base, r, prep))
                 else:
@@ -146,13 +152,17 @@ class MDOptimizer(torch.optim.Optimizer):
         raise KeyError(f"parameter of shape {tuple(p.shape)} is not managed by this optimizer")
 
     def gains(self, p: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(γ_row, γ_col) after the parametrisation φ; None for an axis without gains."""
-        return current_gains(self.state[p], self._hp_of(p))
+        """(γ_row, γ_col) after the parametrisation φ; None for an axis without gains. Low-rank gains: the
+        ``[m, n]`` multiplier as γ_row; per-block Q/K/V column gains: a ``[q+k+v, n]`` pattern as γ_col
+        (``gains.py``)."""
+        hp = self._hp_of(p)
+        return current_gains(self.state[p], hp, gain_split(p, hp))
 
     def direction(self, p: torch.Tensor) -> torch.Tensor:
         """Ŵ = W ⊘ (γ_r γ_cᵀ), the on-sphere direction of ``p`` (a new tensor)."""
         with torch.no_grad():
-            return recover_direction(p.detach().to(torch.float32), *self.gains(p))
+            clamp = not self._hp_of(p).gains_no_clamp
+            return recover_direction(p.detach().to(torch.float32), *self.gains(p), clamp=clamp)
 
 
 class MuonMD(MDOptimizer):
@@ -180,7 +190,6 @@ class MuonMD(MDOptimizer):
         gains_betas: tuple[float, float] = (0.9, 0.99),
         gains_eps: float = 1e-8,
         gains_weight_decay: float | None = None,
-        gmin: float = 1e-5,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         base: BaseUpdate | None = None,
         **options,
@@ -193,8 +202,8 @@ class MuonMD(MDOptimizer):
             lr=lr, gains_lr=gains_lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, scale_mode=scale_mode, sphere=sphere, gains=gains,
             gain_param=gain_param, weight_decay=weight_decay, gains_betas=tuple(gains_betas),
-            gains_eps=gains_eps, gains_weight_decay=gains_weight_decay, gmin=gmin,
-            qkv_split_shapes=qkv_split_shapes, **md_options(options),
+            gains_eps=gains_eps, gains_weight_decay=gains_weight_decay,
+            qkv_split_shapes=qkv_split_shapes, **md_options(options, gain_param),
         )
         super().__init__(params, defaults, base if base is not None else MuonBase())
 
@@ -220,7 +229,6 @@ class AdamMD(MDOptimizer):
         gains_betas: tuple[float, float] | None = None,
         gains_eps: float | None = None,
         gains_weight_decay: float | None = None,
-        gmin: float = 1e-5,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         base: BaseUpdate | None = None,
         **options,
@@ -232,8 +240,8 @@ class AdamMD(MDOptimizer):
             gain_param=gain_param, weight_decay=weight_decay,
             gains_betas=tuple(gains_betas if gains_betas is not None else betas),
             gains_eps=eps if gains_eps is None else gains_eps,
-            gains_weight_decay=gains_weight_decay, gmin=gmin, qkv_split_shapes=qkv_split_shapes,
-            **md_options(options),
+            gains_weight_decay=gains_weight_decay, qkv_split_shapes=qkv_split_shapes,
+            **md_options(options, gain_param),
         )
         super().__init__(params, defaults, base if base is not None else AdamBase())
 
@@ -265,12 +273,59 @@ class SoapMD(MDOptimizer):
         super().__init__(params, defaults, SoapBase())
 
 
-OPTIONS = ("sphere", "gains", "gain_param", "gmin", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
-           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update")
+class AdEMAMixMD(MDOptimizer):
+    """MD decoupling with an AdEMAMix base: Adam plus a slow EMA of the direction gradient added with weight
+    ``alpha`` (``beta3``; both can warm up over base steps, 0 = off). Gains use the matrices' betas and eps
+    unless ``gains_betas``/``gains_eps`` are given, as in AdamMD."""
+
+    def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8, beta3: float = 0.999,
+                 alpha: float = 5.0, beta3_warmup: int = 0, alpha_warmup: int = 0, *,
+                 gains_betas: tuple[float, float] | None = None, gains_eps: float | None = None, **options):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        defaults = dict(
+            lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, ademamix_beta3=beta3, ademamix_alpha=alpha,
+            ademamix_beta3_warmup=beta3_warmup, ademamix_alpha_warmup=alpha_warmup,
+            gains_betas=tuple(gains_betas if gains_betas is not None else betas),
+            gains_eps=eps if gains_eps is None else gains_eps, **md_options(options),
+        )
+        super().__init__(params, defaults, AdEMAMixBase())
 
 
-def md_options(options: dict) -> dict:
-    """The MD options every optimizer here takes by keyword (``OPTIONS``); anything else is a typo."""
+class NormMD(MDOptimizer):
+    """MD decoupling with the normalised-momentum base: MuonMD with each block of the (Nesterov) momentum put on
+    the direction's sphere instead of orthogonalised, then scaled by ``scale_mode`` like msign."""
+
+    def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3, momentum: float = 0.95,
+                 nesterov: bool = True, scale_mode: str = "shape_up", *,
+                 gains_betas: tuple[float, float] = (0.9, 0.99), gains_eps: float = 1e-8, **options):
+        if lr < 0 or gains_lr < 0:
+            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        defaults = dict(lr=lr, gains_lr=gains_lr, momentum=momentum, nesterov=nesterov, scale_mode=scale_mode,
+                        gains_betas=tuple(gains_betas), gains_eps=gains_eps, **md_options(options))
+        super().__init__(params, defaults, NormalizedBase())
+
+
+OPTIONS = ("sphere", "gains", "gain_param", "weight_decay", "gains_weight_decay", "qkv_split_shapes",
+           "radius_scale", "out_proj", "preserve_init", "tangent_grad", "normalize_update", "gains_min",
+           "gains_no_clamp", "gains_bias_correction", "split_qkv_gains", "gains_rank", "gains_lowrank_init_std",
+           "gains_lowrank_min", "gains_lowrank_seed", "sphere_kind", "sphere_iters", "ball", "split_heads",
+           "split_heads_update", "head_dim")
+
+
+def md_options(options: dict, gain_param: str | None = None) -> dict:
+    """The MD options every optimizer here takes by keyword (``OPTIONS``); anything else is a typo.
+
+    ``gmin`` is the earlier name of the floor of ``direct`` gains: it still sets ``gains_min`` for them, and (as
+    before) does nothing for the other parametrisations."""
+    options = dict(options)
+    if "gmin" in options:
+        gmin = options.pop("gmin")
+        if (gain_param or options.get("gain_param", "softplus")) == "direct":
+            options.setdefault("gains_min", gmin)
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"unknown MD option(s) {unknown}; the options are {OPTIONS}")

@@ -3,7 +3,8 @@
 ``flat``: ``‖Ŵ‖_F = r`` (default ``sqrt(max(M, N))`` of the global block shape); ``row`` / ``col``: every row /
 column of unit norm; ``embed``: ``row`` for most matrices and ``col`` for out-projections (resolved by the
 caller, ``MDHyperParams.sphere_mode``). Every sum over a matrix axis goes through a ``Reducer`` so the same
-code runs on tensor-parallel shards. Nothing here talks to process groups.
+code runs on tensor-parallel shards. Nothing here talks to process groups. The other spheres (Sinkhorn,
+spectral, orthogonal, ball, per head) are in ``geometry.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .blocks import Block, block_view, get_block, set_block_
+from .blocks import Block, block_view, get_block, head_dim_of, heads_view, set_block_
 
 SPHERES = ("flat", "row", "col")
 _NORM_FLOOR = 1e-30  # keeps an all-zero row/matrix at zero instead of NaN when projecting
@@ -49,6 +50,21 @@ class Reducer:
 
 
 LOCAL_REDUCER = Reducer()
+
+
+class HeadReducer(Reducer):
+    """Sums within attention heads (``[heads, head_dim, n]`` views): a head's rows lie whole on this rank (TP
+    shards whole query groups), so only sums over columns may cross shards."""
+
+    def __init__(self, base: Reducer):
+        self.base = base
+
+    def complete(self, partial: torch.Tensor, axis: str) -> torch.Tensor:
+        # "all" of a head = its local rows' partial sums, completed over the (maybe sharded) columns
+        return partial if axis == "rows" else self.base.complete(partial, "cols")
+
+    def global_shape(self, local_shape: Sequence[int]) -> tuple[int, int]:
+        return int(local_shape[0]), self.base.global_shape(local_shape)[1]
 
 
 def flat_radius(global_shape: Sequence[int]) -> float:
@@ -141,6 +157,14 @@ def tangent_(
         return G.sub_(W * coef.unsqueeze(1))
     if mode not in ("flat", "col"):
         raise ValueError(f"unknown sphere {mode!r}; choose one of {SPHERES}")
+    hd = head_dim_of(blocks)
+    if hd is not None:  # per-head spheres: all heads at once on [heads, head_dim, n] views
+        red, G3, W3 = HeadReducer(reducer), heads_view(G, hd), heads_view(W, hd)
+        dims, axis = ((-2, -1), "all") if mode == "flat" else ((-2,), "rows")
+        num = red.complete((G3 * W3).sum(dim=dims, keepdim=True), axis)
+        coef = num.div_(red.complete((W3 * W3).sum(dim=dims, keepdim=True), axis).clamp_min_(_NORM_FLOOR))
+        G3.sub_(W3 * coef)
+        return G
     for blk in blocks:
         Gb, Wb = get_block(G, blk), get_block(W, blk)
         if mode == "flat":

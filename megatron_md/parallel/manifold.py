@@ -37,7 +37,7 @@ def project_sharded_(p: torch.Tensor, hp: ManifoldHyperParams, group, dim: int |
 
 
 def _hp_key(hp: ManifoldHyperParams) -> tuple:
-    return tuple((f.name, repr(getattr(hp, f.name))) for f in dataclasses.fields(hp) if f.name != "extra")
+    return tuple((f.name, repr(getattr(hp, f.name))) for f in dataclasses.fields(hp))
 
 
 def manifold_kernel(hp: ManifoldHyperParams) -> Kernel:

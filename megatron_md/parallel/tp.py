@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_md.optim.md import Reducer
+from megatron_md.optim.sphere import Reducer
 from megatron_md.parallel.orthogonalize import msign_kernel
 
 

@@ -114,7 +114,7 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
         given = [f for f in ("--data-path", "--tokenizer-model", "--vocab-file", "--mock-data") if any(x.split("=")[0] == f for x in extra)]
         if given:
             raise G.GridError(f"--corpus and {given[0]} after '--' both choose the data; keep one")
-        from megatron_md.training.data import prepare_demo_data
+        from megatron_md.training.data.datasets import prepare_demo_data
 
         vocab = getattr(a, "corpus_vocab", 4096)
         if not 64 <= vocab <= 65536:

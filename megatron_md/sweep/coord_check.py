@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_md.sweep.grid import RECIPES, SweepSpec, lr_of_k
-from megatron_md.training.config import MD_OPTIMIZERS
+from megatron_md.mcore.families import family_of
 
 ROLES = ["attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2"]
 COLUMNS = ["optimizer", "width", "lr", "layer", "step", "act_rms", "act_delta_rms", "rel_update",
@@ -72,7 +72,7 @@ class _Probe:
 
 def _matrices(gpt) -> dict:
     """name -> (layer, role, param) of the hidden matrices, the embedding and the LM head."""
-    from megatron_md.training.diagnostics import label
+    from megatron_md.training.observability.diagnostics import label
 
     out = {}
     for name, p in gpt.named_parameters():
@@ -95,9 +95,9 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_md.training.batches import micro_batches
+    from megatron_md.training.data.batches import micro_batches
     from megatron.core.utils import unwrap_model as unwrap
-    from megatron_md.training.data import build_gpt_datasets
+    from megatron_md.training.data.datasets import build_gpt_datasets
     from megatron_md.training.step import make_forward_step
     from megatron_md.training.build import (build_optimizer, build_wrapped_model, global_batch_size,
                                               make_tokenizer, seed_everything, vocab_size_for)
@@ -108,10 +108,7 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
     vocab = vocab_size_for(cfg, tok)
     model, _ = build_wrapped_model(cfg, vocab, cpu=rt.name == "cpu")
     optimizer, scheduler = build_optimizer(cfg, model)
-    if cfg.optimizer.optimizer in (*MD_OPTIMIZERS, "manifold_muon"):
-        from megatron_md.mcore.md_checkpoint import sync_model_params
-
-        sync_model_params(optimizer)
+    family_of(cfg).after_build(optimizer)
     gbs = global_batch_size(cfg)
     train, _, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, tok,
                                      gbs, 1, 0, mock=cfg.data.mock_data, path_to_cache=cfg.data.data_cache_path,
@@ -195,8 +192,7 @@ def run_coord_check(spec: SweepSpec, out: Path, steps: int, log: Callable[[str],
     rt = setup_parallel(copy.deepcopy(first))
     try:
         for (opt, w), cfg in cfgs.items():
-            o = cfg.optimizer
-            lr = getattr(o, RECIPES[opt].lr_field)
+            lr = C.setting(cfg, RECIPES[opt].lr_field)
             log(f"[coord-check] {opt} width {w} ({RECIPES[opt].lr_field.replace('_', '-')} {lr:.4g}), {steps} steps")
             for r in _one(cfg, steps, rt, log):
                 rows.append({"optimizer": opt, "width": w, "lr": lr, **r})

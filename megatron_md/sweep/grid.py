@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+from megatron_md.training.config import setting
 
 BASE_LR = 1e-3
 
@@ -202,7 +203,7 @@ def config_centers(optimizers: list[str], cfg, explicit: set) -> dict[str, tuple
     out = {}
     for opt in optimizers:
         r = RECIPES[opt]
-        value = getattr(cfg.optimizer, r.lr_field, None)
+        value = setting(cfg, r.lr_field)
         if cfg.optimizer.optimizer != r.optimizer or r.lr_field not in explicit or not value or value <= 0:
             continue
         out[opt] = (int(round(k_of_lr(value))), float(value))

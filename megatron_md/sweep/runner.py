@@ -96,7 +96,7 @@ def param_count(cfg) -> int:
     from megatron_md.models.presets import count_parameters
 
     raw = cfg.model.vocab_size
-    from megatron_md.training.tokenizer import tokenizer_for_data
+    from megatron_md.training.data.tokenizer import tokenizer_for_data
 
     tok = tokenizer_for_data(cfg.data)  # None: mock data / NullTokenizer
     if tok is not None:
@@ -238,7 +238,7 @@ class _Stop:
 def resumable_from(d: Path, args: list[str]) -> Optional[int]:
     """The iteration an unfinished cell can resume from: its checkpoint's, when the cell was started with the
     same train flags and has no result yet; None otherwise (the cell starts over)."""
-    from megatron_md.training.ckpt_integrity import LATEST
+    from megatron_md.training.checkpoints.integrity import LATEST
 
     try:
         attempts = json.loads((d / ATTEMPTS).read_text())

@@ -15,12 +15,12 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from megatron_md.models.builder import build_model, padded_vocab_size
-from megatron_md.training.config import MD_OPTIMIZERS, RunConfig
+from megatron_md.mcore.families import FAMILIES, family_of
+from megatron_md.training.config import RunConfig
 from megatron_md.training.validate import data_parallel_size, validate_config
 
 
@@ -58,7 +58,7 @@ def seed_everything(seed: int) -> None:
 
 def make_tokenizer(cfg: RunConfig):
     """megatron-core's tokenizer for the run's --tokenizer-* flags; None for mock data / NullTokenizer."""
-    from megatron_md.training.tokenizer import tokenizer_for_data
+    from megatron_md.training.data.tokenizer import tokenizer_for_data
 
     return tokenizer_for_data(cfg.data)
 
@@ -131,22 +131,7 @@ def layer_wise_param_layout(cfg: RunConfig, model, ddp_config):
 def matrix_optimizer_routing(cfg: RunConfig):
     """``p -> bool``: whether the matrix (layer-wise) optimizer steps ``p``; the same rule its registry
     entry routes by, so buffers and param groups agree."""
-    from megatron.core.optimizer.layer_wise_optimizer import is_managed_by_layer_wise_optimizer
-
-    name = cfg.optimizer.optimizer
-    if name in MD_OPTIMIZERS:
-        from megatron_md.mcore import md_optimizer as mdo
-
-        to_adamw = mdo.routes_to_adamw(mdo.MDOptimizerConfig(**mdo.optimizer_config_kwargs(cfg.optimizer)))
-    elif name == "manifold_muon":
-        from megatron_md.mcore import manifold_optimizer as mm, md_optimizer as mdo
-
-        ocfg = mm.ManifoldOptimizerConfig(**mdo.optimizer_config_kwargs(cfg.optimizer),
-                                          **mm.manifold_config_kwargs(cfg.optimizer))
-        to_adamw = mm.routes_to_adamw(mm.build_policy(ocfg))
-    else:
-        return is_managed_by_layer_wise_optimizer
-    return lambda p: not to_adamw(p)
+    return family_of(cfg).routing(cfg)
 
 
 def ns_matmul_precision(setting: str, device: torch.device) -> str:
@@ -158,15 +143,21 @@ def ns_matmul_precision(setting: str, device: torch.device) -> str:
 
 
 def ns_tp_mode(setting: str, optimizer: str) -> str:
-    """--muon-tp-mode resolved: 'auto' is one owner per matrix for MD and Manifold Muon (our engine), and
-    megatron Muon's TP-size-independent 'duplicated' for muon."""
-    if setting != "auto":
-        return setting
-    return "duplicated" if optimizer == "muon" else "layer_sharded"
+    """--muon-tp-mode resolved: 'auto' is the family's mode (one owner per matrix for MD and Manifold Muon,
+    our engine; megatron Muon's TP-size-independent 'duplicated' for muon)."""
+    return FAMILIES[optimizer].default_ns_tp_mode if setting == "auto" else setting
 
 
 def build_optimizer(cfg: RunConfig, ddp_model):
+    """megatron's optimizer for the run's family, and its LR scheduler."""
+    optimizer, scheduler, _ = build_optimizer_and_hooks(cfg, ddp_model)
+    return optimizer, scheduler
+
+
+def build_optimizer_and_hooks(cfg: RunConfig, ddp_model):
+    """The optimizer, its scheduler, and the family's per-run hooks (``families.RunHooks``)."""
     o, t = cfg.optimizer, cfg.training
+    family = family_of(cfg)
     common = dict(
         optimizer=o.optimizer,
         lr=o.lr,
@@ -178,42 +169,17 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         clip_grad=o.clip_grad,
         bf16=t.bf16,
         params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and o.optimizer == "adam",
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and not family.steps_matrices,
         use_layer_wise_distributed_optimizer=layer_wise(cfg),
-        muon_momentum=o.muon_momentum,
-        muon_nesterov=o.muon_nesterov,
-        muon_scale_mode=o.muon_scale_mode,
-        muon_num_ns_steps=o.muon_num_ns_steps,
-        muon_tp_mode=ns_tp_mode(o.muon_tp_mode, o.optimizer),
-        muon_extra_scale_factor=o.muon_extra_scale_factor,
-        muon_fp32_matmul_prec=ns_matmul_precision(o.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
+        muon_momentum=o.muon.muon_momentum,
+        muon_nesterov=o.muon.muon_nesterov,
+        muon_scale_mode=o.muon.muon_scale_mode,
+        muon_num_ns_steps=o.muon.muon_num_ns_steps,
+        muon_tp_mode=ns_tp_mode(o.muon.muon_tp_mode, o.optimizer),
+        muon_extra_scale_factor=o.muon.muon_extra_scale_factor,
+        muon_fp32_matmul_prec=ns_matmul_precision(o.muon.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
     )
-    if o.optimizer == "manifold_muon":
-        from megatron.core.optimizer import get_standard_config_overrides
-
-        from megatron_md.mcore import manifold_optimizer as mm, md_optimizer as mdo
-
-        ocfg = mm.ManifoldOptimizerConfig(
-            **common, **mdo.optimizer_config_kwargs(o), **mm.manifold_config_kwargs(o),
-            md_num_layers=cfg.model.num_layers,
-        )
-        policy = mm.register(ocfg)
-        overrides = {**get_standard_config_overrides(ocfg), **mm.manifold_param_overrides(ocfg, policy)}
-        optimizer = get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides)
-        optimizer.megatron_md_policy = policy
-    elif o.optimizer in MD_OPTIMIZERS:
-        from megatron.core.optimizer import get_standard_config_overrides
-
-        from megatron_md.mcore import md_optimizer as mdo
-
-        ocfg = mdo.MDOptimizerConfig(
-            **common, **mdo.optimizer_config_kwargs(o), md_num_layers=cfg.model.num_layers
-        )
-        mdo.register(ocfg)
-        overrides = {**get_standard_config_overrides(ocfg), **mdo.md_param_overrides(ocfg)}
-        optimizer = get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides)
-    else:
-        optimizer = get_megatron_optimizer(OptimizerConfig(**common), [ddp_model])
+    optimizer, hooks = family.build(cfg, common, ddp_model)
     gbs = global_batch_size(cfg)
     decay_iters = max(o.lr_decay_iters or t.train_iters, 1)
     scheduler = OptimizerParamScheduler(
@@ -231,12 +197,12 @@ def build_optimizer(cfg: RunConfig, ddp_model):
         wsd_decay_steps=(o.lr_wsd_decay_iters or 0) * gbs if o.lr_decay_style == "WSD" else None,
         lr_wsd_decay_style=o.lr_wsd_decay_style,
     )
-    return optimizer, scheduler
+    return optimizer, scheduler, hooks
 
 
 def layer_wise(cfg: RunConfig) -> bool:
     """Matrix optimizers shard over DP through megatron's layer-wise optimizer (whole matrices)."""
-    return cfg.parallel.use_distributed_optimizer and cfg.optimizer.optimizer != "adam"
+    return cfg.parallel.use_distributed_optimizer and family_of(cfg).steps_matrices
 
 
 def global_batch_size(cfg: RunConfig) -> int:

@@ -17,61 +17,76 @@ from typing import Any, Optional
 
 import yaml
 
+from megatron_md.fields import RANGES, opt
+from megatron_md.mcore.families import FAMILIES, descriptions
+from megatron_md.mcore.family_configs import SECTIONS as OPTIMIZER_SECTIONS
 
-def opt(default, help: str, choices=None, nargs=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "nargs": nargs})
+OPTIMIZER_DESCRIPTIONS = descriptions()
+
+
+def range_errors(cfg) -> list[str]:
+    """One line per numeric setting outside its field's declared range (unset optional values pass)."""
+    errors = []
+    for name, (section, f) in FIELDS.items():
+        valid, value = f.metadata.get("valid"), getattr(section_of(cfg, section), name)
+        if valid is None or value is None:
+            continue
+        ok, says = RANGES[valid]
+        if not ok(value):
+            errors.append(f"{flag(name)} {says}, got {value}")
+    return errors
 
 
 @dataclass
 class ModelConfig:
-    num_layers: int = opt(2, "Transformer layers.")
-    hidden_size: int = opt(64, "Model width; with a preset, heads and FFN rescale with it.")
-    num_attention_heads: Optional[int] = opt(None, "Attention heads (default hidden/kv-channels).")
-    num_query_groups: Optional[int] = opt(None, "GQA groups (default heads*query-group-ratio).")
-    kv_channels: int = opt(128, "Per-head dimension.")
-    query_group_ratio: float = opt(1.0, "Query groups per head when --num-query-groups is unset.")
-    ffn_hidden_size: Optional[int] = opt(None, "MLP width (default ffn-ratio*hidden).")
-    ffn_ratio: float = opt(4.0, "MLP width / hidden when --ffn-hidden-size is unset.")
-    seq_length: int = opt(1024, "Training sequence length.")
-    max_position_embeddings: Optional[int] = opt(None, "Max positions (default seq-length).")
-    vocab_size: int = opt(131072, "Vocabulary size when no tokenizer fixes it (mock data).")
-    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this x TP.")
+    num_layers: int = opt(2, "Transformer layers.", valid=">=1")
+    hidden_size: int = opt(64, "Model width; with a preset, heads and FFN rescale with it.", valid=">=1")
+    num_attention_heads: Optional[int] = opt(None, "Attention heads (default hidden/kv-channels).", valid=">=1")
+    num_query_groups: Optional[int] = opt(None, "GQA groups (default heads*query-group-ratio).", valid=">=1")
+    kv_channels: int = opt(128, "Per-head dimension.", valid=">=1")
+    query_group_ratio: float = opt(1.0, "Query groups per head when --num-query-groups is unset.", valid="(0,1]")
+    ffn_hidden_size: Optional[int] = opt(None, "MLP width (default ffn-ratio*hidden).", valid=">=1")
+    ffn_ratio: float = opt(4.0, "MLP width / hidden when --ffn-hidden-size is unset.", valid=">0")
+    seq_length: int = opt(1024, "Training sequence length.", valid=">=1")
+    max_position_embeddings: Optional[int] = opt(None, "Max positions (default seq-length).", valid=">=1")
+    vocab_size: int = opt(131072, "Vocabulary size when no tokenizer fixes it (mock data).", valid=">=1")
+    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this x TP.", valid=">=1")
     position_embedding_type: str = opt("rope", "Positions.", ["rope", "learned_absolute", "none"])
-    rotary_base: int = opt(10000, "RoPE base.")
+    rotary_base: int = opt(10000, "RoPE base.", valid=">0")
     normalization: str = opt("RMSNorm", "Norm layer.", ["RMSNorm", "LayerNorm"])
-    norm_epsilon: float = opt(1e-5, "Norm epsilon.")
+    norm_epsilon: float = opt(1e-5, "Norm epsilon.", valid=">0")
     swiglu: bool = opt(True, "SwiGLU MLP (gated SiLU).")
     untie_embeddings_and_output_weights: bool = opt(True, "Separate input embedding and LM head.")
     disable_bias_linear: bool = opt(True, "No biases in linear layers.")
     qk_layernorm: bool = opt(True, "Normalise queries and keys per head (QK-norm).")
-    init_method_std: float = opt(0.02, "Std of the normal weight init.")
-    attention_dropout: float = opt(0.0, "Attention dropout.")
-    hidden_dropout: float = opt(0.0, "Hidden dropout.")
+    init_method_std: float = opt(0.02, "Std of the normal weight init.", valid=">0")
+    attention_dropout: float = opt(0.0, "Attention dropout.", valid="[0,1)")
+    hidden_dropout: float = opt(0.0, "Hidden dropout.", valid="[0,1)")
     sandwich_norm: bool = opt(False, "MD paper option: norm each sublayer output before the add.")
     layer_scale: bool = opt(False, "MD paper option: scale each sublayer output by 1/num-layers.")
     embedding_scale: bool = opt(False, "MD paper option: multiply embeddings by sqrt(hidden).")
-    num_experts: Optional[int] = opt(None, "MoE experts per layer (unset: dense).")
-    moe_router_topk: int = opt(2, "Experts per token.")
-    moe_ffn_hidden_size: Optional[int] = opt(None, "Expert MLP width (default moe-ffn-ratio*h).")
-    moe_ffn_ratio: float = opt(1.0, "Expert width / hidden when --moe-ffn-hidden-size is unset.")
+    num_experts: Optional[int] = opt(None, "MoE experts per layer (unset: dense).", valid=">=1")
+    moe_router_topk: int = opt(2, "Experts per token.", valid=">=1")
+    moe_ffn_hidden_size: Optional[int] = opt(None, "Expert MLP width (default moe-ffn-ratio*h).", valid=">=1")
+    moe_ffn_ratio: float = opt(1.0, "Expert width / hidden when --moe-ffn-hidden-size is unset.", valid=">0")
     moe_grouped_gemm: Optional[bool] = opt(
         None, "Grouped GEMM experts, TE's TEGroupedMLP (unset: on when Transformer Engine builds the layers).")
     moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch.", ["allgather", "alltoall"])
     moe_router_load_balancing_type: str = opt(
         "aux_loss", "Router balancing.", ["aux_loss", "seq_aux_loss", "sinkhorn", "none"]
     )
-    moe_aux_loss_coeff: float = opt(1e-2, "Weight of the load-balancing loss.")
-    moe_z_loss_coeff: Optional[float] = opt(None, "Weight of the router z-loss (unset: none; 1e-3 is a common start).")
+    moe_aux_loss_coeff: float = opt(1e-2, "Weight of the load-balancing loss.", valid=">=0")
+    moe_z_loss_coeff: Optional[float] = opt(None, "Weight of the router z-loss (unset: none; 1e-3 is a common start).", valid=">=0")
     moe_expert_capacity_factor: Optional[float] = opt(
         None, "Expert capacity as a multiple of the even share of tokens; tokens beyond it are dropped (unset: "
-        "no capacity, no dropping).")
+        "no capacity, no dropping).", valid=">0")
     moe_token_drop_policy: str = opt(
         "probs", "With a capacity factor, which tokens an over-full expert drops: the lowest router "
         "probabilities, or the last positions.", ["probs", "position"])
     moe_pad_expert_input_to_capacity: bool = opt(
         False, "With a capacity factor, pad every expert's input to its capacity (fixed shapes).")
     moe_shared_expert_intermediate_size: Optional[int] = opt(
-        None, "Width of the shared expert every token goes through beside the routed ones (unset: none).")
+        None, "Width of the shared expert every token goes through beside the routed ones (unset: none).", valid=">=1")
     recompute_granularity: Optional[str] = opt(
         None, "Activation recomputation: 'selective' recomputes the core attention (the s^2 term) in the "
         "backward pass; 'full' keeps only each layer's input (with --recompute-method). Unset: none.",
@@ -81,7 +96,7 @@ class ModelConfig:
         "recomputes the first --recompute-num-layers layers of each pipeline stage (default uniform).",
         ["uniform", "block"])
     recompute_num_layers: Optional[int] = opt(
-        None, "Full recomputation: layers per group (uniform) or layers recomputed per stage (block); default 1.")
+        None, "Full recomputation: layers per group (uniform) or layers recomputed per stage (block); default 1.", valid=">=1")
     attention_backend: str = opt(
         "auto", "Attention kernel (megatron-core AttnBackend): flash and fused need Transformer Engine on CUDA; "
         "unfused and local run anywhere. auto: TE picks on CUDA, local on CPU.",
@@ -107,10 +122,10 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = opt(1, "Tensor parallel size (TP).")
-    pipeline_model_parallel_size: int = opt(1, "Pipeline stages (PP).")
-    expert_model_parallel_size: int = opt(1, "Expert parallel size (EP).")
-    expert_tensor_parallel_size: Optional[int] = opt(None, "TP inside experts (default: TP).")
+    tensor_model_parallel_size: int = opt(1, "Tensor parallel size (TP).", valid=">=1")
+    pipeline_model_parallel_size: int = opt(1, "Pipeline stages (PP).", valid=">=1")
+    expert_model_parallel_size: int = opt(1, "Expert parallel size (EP).", valid=">=1")
+    expert_tensor_parallel_size: Optional[int] = opt(None, "TP inside experts (default: TP).", valid=">=1")
     sequence_parallel: bool = opt(False, "Sequence parallelism (needs TP>1; required by MoE+TP).")
     use_distributed_optimizer: bool = opt(False, "Shard optimizer state over data parallel.")
     overlap_grad_reduce: bool = opt(
@@ -121,141 +136,70 @@ class ParallelConfig:
         "pass, just before its layers need them (needs --use-distributed-optimizer and --overlap-grad-reduce).")
     ddp_bucket_size: Optional[int] = opt(
         None, "Elements per gradient-communication bucket (unset: megatron's default, max(40M, 1M x DP) with "
-        "overlap; one bucket per buffer without).")
+        "overlap; one bucket per buffer without).", valid=">=1")
 
 
 @dataclass
-class OptimConfig:
+class SharedOptimConfig:
+    """Settings every optimizer shares (the LR schedule, clipping, the AdamW of 1-D parameters)."""
+
     optimizer: str = opt(
-        "adam", "Optimizer: adam, megatron-core's muon, MD decoupling with a Muon, Adam, Lion or SOAP base "
-        "(muon_md, adam_md, lion_md, soap_md), or module-wise Manifold Muon (manifold_muon, with --geometry).",
-        ["adam", "muon", "muon_md", "adam_md", "lion_md", "soap_md", "manifold_muon"],
+        "adam", "Optimizer: " + "; ".join(f"{n}: {d}" for n, d in OPTIMIZER_DESCRIPTIONS.items()) + ".",
+        list(OPTIMIZER_DESCRIPTIONS),
     )
-    lr: float = opt(3e-4, "Peak learning rate (1-D params and LM head; all params for adam/muon).")
-    min_lr: float = opt(0.0, "Final learning rate.")
+    lr: float = opt(3e-4, "Peak learning rate (1-D params and LM head; all params for adam/muon).", valid=">0")
+    min_lr: float = opt(0.0, "Final learning rate.", valid=">=0")
     lr_decay_style: str = opt(
         "cosine", "LR schedule after warmup.", ["constant", "linear", "cosine", "WSD"]
     )
-    lr_warmup_iters: int = opt(0, "Linear warmup iterations (0 allowed).")
-    lr_decay_iters: Optional[int] = opt(None, "Decay horizon (default: train-iters).")
-    lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: final decay iterations.")
+    lr_warmup_iters: int = opt(0, "Linear warmup iterations (0 allowed).", valid=">=0")
+    lr_decay_iters: Optional[int] = opt(None, "Decay horizon (default: train-iters).", valid=">=1")
+    lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: final decay iterations.", valid=">=1")
     lr_wsd_decay_style: str = opt("linear", "WSD decay shape.", ["linear", "cosine", "exponential"])
-    weight_decay: float = opt(0.01, "Decoupled weight decay.")
-    clip_grad: float = opt(1.0, "Global gradient-norm clip (0 disables).")
-    adam_beta1: float = opt(0.9, "Adam beta1.")
-    adam_beta2: float = opt(0.95, "Adam beta2.")
-    adam_eps: float = opt(1e-8, "Adam epsilon.")
-    muon_momentum: float = opt(0.95, "Muon momentum.")
-    muon_nesterov: bool = opt(True, "Nesterov momentum for Muon.")
-    muon_scale_mode: str = opt(
-        "spectral", "Muon update scale.", ["spectral", "unit_rms_norm", "shape_scaling"]
-    )
-    muon_num_ns_steps: int = opt(5, "Newton-Schulz iterations.")
-    muon_tp_mode: str = opt(
-        "auto",
-        "How Newton-Schulz treats TP-sharded matrices. layer_sharded (MD, Manifold Muon): one owner per matrix in "
-        "its TP group, batched by shape; duplicated: every TP rank runs every matrix; distributed, blockwise: "
-        "megatron Muon only ('blockwise' makes the update depend on TP size). auto: layer_sharded for MD and "
-        "Manifold Muon, duplicated for muon.",
-        ["auto", "layer_sharded", "duplicated", "distributed", "blockwise"],
-    )
-    muon_extra_scale_factor: float = opt(1.0, "Extra multiplier on the Muon update.")
-    muon_fp32_matmul_prec: str = opt(
-        "auto",
-        "fp32 matmul precision of megatron Muon's Newton-Schulz; 'medium' runs it in bf16. auto: medium on CUDA, "
-        "highest on CPU (bf16 matmuls there are ~100x slower than fp32 without native bf16 units).",
-        ["auto", "medium", "high", "highest"],
-    )
-    matrix_lr: Optional[float] = opt(None, "MD: peak LR of hidden matrices (the angular step; default --lr).")
-    embedding_lr: Optional[float] = opt(None, "MD: peak LR of the word embedding (default --lr).")
-    gains_lr: float = opt(1e-3, "MD: peak LR of the row/column gains (Adam on raw gains).")
-    md_sphere: str = opt("flat", "MD: sphere of hidden matrices (embed: row, column for out-projections).",
-                         ["flat", "row", "col", "embed"])
-    md_gains: str = opt("rowcol", "MD: gains of hidden matrices (flat: one per matrix; embed: row, column for "
-                        "out-projections).", ["rowcol", "row", "col", "flat", "embed", "none"])
-    md_gain_param: str = opt("softplus", "MD: gain parametrisation gamma = phi(rho): softplus, direct (rho, floored "
-                             "at 1e-5), offset (1 + rho), exp.", ["softplus", "direct", "offset", "exp"])
-    md_preserve_init: bool = opt(
-        False, "MD: keep the initial weights: hidden matrices are not projected; their norms go into the gains.")
-    md_tangent_grad: bool = opt(
-        False, "MD: drop the direction gradient's radial component before the base update (the authors' --hs-p).")
-    md_normalize_update: bool = opt(
-        False, "MD: put the base update on the direction's sphere before the step, so the relative step is the "
-        "LR exactly (the authors' --hs-u).")
-    lion_beta1: float = opt(0.9, "lion_md: beta1 (the sign's interpolation).")
-    lion_beta2: float = opt(0.99, "lion_md: beta2 (the momentum's EMA).")
-    soap_shampoo_beta: float = opt(0.95, "soap_md: EMA of the Kronecker factors (inner Adam: --adam-beta1/2).")
-    md_scale_mode: str = opt(
-        "shape_up", "MD-Muon update scale (shape_up: relative update = LR).",
-        ["shape_up", "spectral", "unit_rms_norm", "shape_scaling", "none"],
-    )
-    md_ns_coefficients: str = opt("quintic", "MD-Muon Newton-Schulz coefficients.", ["quintic", "simple", "polar_express"])
-    md_compile: str = opt(
-        "auto", "MD: torch.compile the Adam-base kernel of matrices of >= 4M elements (embedding, LM head; eager "
-        "fallback if compiling fails); off: eager everywhere.", ["auto", "off"]
-    )
-    md_ns_per_matrix: bool = opt(
-        False, "MD, Manifold Muon: one Newton-Schulz call per matrix inside each same-shape bucket (debugging: "
-        "bitwise the unbatched result; batching changes fp32 rounding only)."
-    )
-    md_embedding_sphere: str = opt("row", "MD: word-embedding sphere (none: plain AdamW).", ["row", "none"])
-    md_output_sphere: str = opt("row", "MD: LM-head sphere (none: plain AdamW).", ["row", "none"])
-    md_output_gains: str = opt("rowcol", "MD: LM-head gains.", ["rowcol", "row", "col", "none"])
-    md_router_sphere: str = opt("row", "MD: MoE router sphere.", ["row", "flat"])
-    geometry: str = opt(
-        "hetero", "manifold_muon: a preset (unconstrained, all-stiefel, all-dgram, hetero, hetero-inv, md, "
-        "hetero-md) or rules like 'attention=stiefel,mlp=dgram,experts=md'."
-    )
-    geometry_auto_sigma_max: Optional[float] = opt(
-        None, "--geometry auto:PRESET: move a module to Stiefel once its sigma_max exceeds this."
-    )
-    geometry_auto_logit: Optional[float] = opt(
-        None, "--geometry auto:PRESET: move a layer's attention to Stiefel once its max logit exceeds this."
-    )
-    manifold_mode: str = opt("fast", "manifold_muon dual solve: faithful (reference) or fast.", ["faithful", "fast"])
-    manifold_dual_steps: int = opt(20, "manifold_muon faithful: dual-ascent iterations K per step.")
-    manifold_dual_lr: float = opt(0.1, "manifold_muon faithful: dual step alpha (absolute, linearly decayed).")
-    manifold_msign_steps: int = opt(10, "manifold_muon faithful: Polar Express steps of msign.")
-    manifold_fast_dual_steps: int = opt(1, "manifold_muon fast: dual iterations (msigns) per step; the dual "
-                                        "ascent continues across steps.")
-    manifold_fast_dual_lr: float = opt(0.02, "manifold_muon fast: scale-free dual step (x RMS singular value "
-                                       "/ (d_i^2 + d_j^2)).")
-    manifold_fast_msign_steps: int = opt(8, "manifold_muon fast: Polar Express steps of msign.")
-    manifold_split_qkv: bool = opt(False, "manifold_muon: constrain Q, K, V separately (default: fused).")
-    md_out_proj_radius: bool = opt(
-        False, "MD: out-projections (attention proj, fc2) on a sphere and update scaled by 1/sqrt(2L)."
-    )
+    weight_decay: float = opt(0.01, "Decoupled weight decay.", valid=">=0")
+    clip_grad: float = opt(1.0, "Global gradient-norm clip (0 disables).", valid=">=0")
+    adam_beta1: float = opt(0.9, "Adam beta1.", valid="[0,1)")
+    adam_beta2: float = opt(0.95, "Adam beta2.", valid="[0,1)")
+    adam_eps: float = opt(1e-8, "Adam epsilon.", valid=">0")
+
+
+# OptimConfig: the shared settings plus one typed section per family (``cfg.optimizer.md.md_sphere``); a new
+# family adds its section in mcore/family_configs.py, not here.
+OptimConfig = dataclasses.make_dataclass(
+    "OptimConfig", [(name, klass, field(default_factory=klass)) for name, klass in OPTIMIZER_SECTIONS.items()],
+    bases=(SharedOptimConfig,))
+OptimConfig.__module__ = __name__
 
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = opt(1, "Sequences per micro-batch per data-parallel rank.")
-    global_batch_size: Optional[int] = opt(None, "Sequences per step (default: micro x DP).")
-    train_iters: int = opt(100, "Optimizer steps (0 with --save writes a seed checkpoint).")
-    eval_interval: Optional[int] = opt(None, "Evaluate every N steps (unset: only at the end).")
-    eval_iters: int = opt(4, "Validation batches per evaluation.")
-    seed: int = opt(1234, "Random seed.")
+    micro_batch_size: int = opt(1, "Sequences per micro-batch per data-parallel rank.", valid=">=1")
+    global_batch_size: Optional[int] = opt(None, "Sequences per step (default: micro x DP).", valid=">=1")
+    train_iters: int = opt(100, "Optimizer steps (0 with --save writes a seed checkpoint).", valid=">=0")
+    eval_interval: Optional[int] = opt(None, "Evaluate every N steps (unset: only at the end).", valid=">=1")
+    eval_iters: int = opt(4, "Validation batches per evaluation.", valid=">=0")
+    seed: int = opt(1234, "Random seed.", valid=">=0")
     bf16: bool = opt(False, "bf16 parameters with fp32 master weights.")
     device: str = opt("auto", "cuda, cpu, or auto (cpu when CUDA is absent).", ["auto", "cuda", "cpu"])
     max_consecutive_skips: int = opt(
-        10, "Stop after this many consecutive steps skipped for non-finite loss or gradient."
+        10, "Stop after this many consecutive steps skipped for non-finite loss or gradient.", valid=">=1"
     )
-    inject_nan_at: Optional[int] = opt(None, "Testing aid: make the loss NaN from this iteration on.")
-    inject_nan_iters: int = opt(1, "Testing aid: for this many iterations.")
-    nproc_per_node: int = opt(1, "Processes to launch on this node (torch elastic) when >1.")
-    exit_interval: Optional[int] = opt(None, "Stop cleanly (with a save) after this iteration.")
+    inject_nan_at: Optional[int] = opt(None, "Testing aid: make the loss NaN from this iteration on.", valid=">=1")
+    inject_nan_iters: int = opt(1, "Testing aid: for this many iterations.", valid=">=1")
+    nproc_per_node: int = opt(1, "Processes to launch on this node (torch elastic) when >1.", valid=">=1")
+    exit_interval: Optional[int] = opt(None, "Stop cleanly (with a save) after this iteration.", valid=">=1")
     exit_signal_handler: bool = opt(
         True, "On SIGTERM or SIGUSR1 every rank finishes the step, saves (--save) and exits 0 (preemption).")
     exit_duration_in_mins: Optional[float] = opt(
         None, "Stop cleanly (with a save) after the step during which this many minutes since start-up "
-        "passed; set it a checkpoint's write time below the job's time limit.")
+        "passed; set it a checkpoint's write time below the job's time limit.", valid=">0")
     rampup_batch_size: Optional[list[str]] = opt(
         None, "Batch-size ramp-up 'START INCREMENT SAMPLES': begin at START sequences per step and grow by "
         "INCREMENT over the first SAMPLES samples up to --global-batch-size (megatron-core's calculator).",
         nargs=3)
     profile: bool = opt(False, "Record a torch profiler trace (CPU and CUDA activity) into <run-dir>/profile.")
-    profile_step_start: int = opt(10, "--profile: first step recorded.")
-    profile_step_end: int = opt(12, "--profile: step after the last one recorded.")
+    profile_step_start: int = opt(10, "--profile: first step recorded.", valid=">=1")
+    profile_step_end: int = opt(12, "--profile: step after the last one recorded.", valid=">=1")
     profile_ranks: Optional[list[str]] = opt(None, "--profile: global ranks that record a trace (default 0).", nargs="+")
 
 
@@ -283,7 +227,7 @@ class DataConfig:
 class CheckpointConfig:
     save: Optional[str] = opt(None, "Checkpoint directory to write.")
     load: Optional[str] = opt(None, "Checkpoint directory to resume from.")
-    save_interval: Optional[int] = opt(None, "Save every N steps (and always at the end).")
+    save_interval: Optional[int] = opt(None, "Save every N steps (and always at the end).", valid=">=1")
     pretrained_checkpoint: Optional[str] = opt(
         None, "Start from these model weights (no optimizer, iteration 0), e.g. a seed checkpoint."
     )
@@ -305,7 +249,7 @@ class CheckpointConfig:
         "(megatron's FullyParallelLoadStrategyWrapper), instead of every rank reading all it needs.")
     keep_last_n_checkpoints: Optional[int] = opt(
         None, "After each successful save, delete all but the newest N checkpoints under --save (unset: "
-        "keep all). The newest verified checkpoint is never deleted.")
+        "keep all). The newest verified checkpoint is never deleted.", valid=">=1")
     dist_ckpt_optim_fully_reshardable: bool = opt(
         False, "Save the distributed Adam state (--optimizer adam --use-distributed-optimizer) in megatron's "
         "'fully_reshardable' format: gathered on DP rank 0 at save, loadable at any TP/PP/EP/DP layout. "
@@ -315,7 +259,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = opt(10, "Steps between log lines and metrics.jsonl records.")
+    log_interval: int = opt(10, "Steps between log lines and metrics.jsonl records.", valid=">=1")
     run_dir: Optional[str] = opt(None, "Run directory (default runs/<time>-<model>).")
     tensorboard_dir: Optional[str] = opt(None, "TensorBoard dir (default <run-dir>/tensorboard).")
     wandb_project: Optional[str] = opt(None, "W&B project (else WANDB_PROJECT); a project means online unless a mode says otherwise.")
@@ -327,7 +271,7 @@ class LoggingConfig:
     progress_bar: Optional[bool] = opt(None, "Show a progress bar (default: when stderr is a tty).")
     diagnostics_interval: int = opt(
         100, "Every N steps log per-matrix σ_max/σ_min/‖Off(WᵀW)‖/‖W‖, MD gains, attention max logit "
-        "and entropy (0: off; rounded up to a multiple of --log-interval)."
+        "and entropy (0: off; rounded up to a multiple of --log-interval).", valid=">=0"
     )
 
 
@@ -343,7 +287,7 @@ class TargetConfig:
         None, "Memory of one target device, with a unit (79GiB, 81082MiB, 80GB); default: the named device's "
         "total as CUDA reports it. Needed for cpu (host memory per rank).")
     target_world_size: Optional[int] = opt(
-        None, "Devices the run is sized for (GPUs, or CPU ranks): `megatron-md plan`'s default --world-size.")
+        None, "Devices the run is sized for (GPUs, or CPU ranks): `megatron-md plan`'s default --world-size.", valid=">=1")
 
 
 SECTIONS: dict[str, type] = {
@@ -385,11 +329,48 @@ class RunConfig:
 
 # ----------------------------------------------------------------------------- field index
 
+def _nested(klass) -> dict[str, type]:
+    """The fields of ``klass`` that are sections themselves (OptimConfig's family sections)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(klass)
+            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+
+
+def section_classes() -> list[tuple[str, type]]:
+    """Every section of the run config as (path, class), nested ones as "optimizer.manifold", in --help order."""
+    out = []
+    for name, klass in SECTIONS.items():
+        out.append((name, klass))
+        out += [(f"{name}.{sub}", k) for sub, k in _nested(klass).items()]
+    return out
+
+
+def knobs(klass) -> list[dataclasses.Field]:
+    """The fields of a section that are settings (one flag each), without its nested sections."""
+    nested = _nested(klass)
+    return [f for f in dataclasses.fields(klass) if f.name not in nested]
+
+
+def section_of(cfg, path: str):
+    """The section object at ``path`` ("optimizer.manifold") of a RunConfig."""
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def setting(cfg, name: str):
+    """The value of the setting ``name`` (a field / flag name) wherever its section sits."""
+    return getattr(section_of(cfg, FIELDS[name][0]), name)
+
+
+_SECTION_NAMES = {path.rsplit(".", 1)[-1] for path, _ in section_classes()}
+
+
 def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
     index = {}
-    for section, klass in SECTIONS.items():
-        for f in dataclasses.fields(klass):
+    for section, klass in section_classes():
+        for f in knobs(klass):
             assert f.name not in index, f"duplicate config field {f.name}"
+            assert f.name not in _SECTION_NAMES - {"optimizer"}, f"field {f.name} shadows a section"
             index[f.name] = (section, f)
     return index
 
@@ -443,23 +424,24 @@ def flag(name: str) -> str:
 
 
 def apply_overrides(cfg: RunConfig, overrides: dict, source: str) -> None:
-    """Set fields from a flat {field: value} or sectioned {section: {field: value}} mapping."""
+    """Set fields from a flat {field: value} or sectioned {section: {field: value}} mapping (sections nest:
+    {optimizer: {md: {md_sphere: row}}}; flat names work at any level)."""
     for key, value in overrides.items():
-        if key in SECTIONS and isinstance(value, dict):
+        if key in _SECTION_NAMES and isinstance(value, dict):
             apply_overrides(cfg, value, source)
             continue
         name = key.replace("-", "_")
         if name not in FIELDS:
             raise ValueError(f"{source}: unknown setting {key!r} (no flag {flag(name)})")
         section, _ = FIELDS[name]
-        setattr(getattr(cfg, section), name, _coerce(name, value, source))
+        setattr(section_of(cfg, section), name, _coerce(name, value, source))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per config field; defaults are SUPPRESS so we know what the user typed."""
-    for section, klass in SECTIONS.items():
+    for section, klass in section_classes():
         group = parser.add_argument_group(section)
-        for f in dataclasses.fields(klass):
+        for f in knobs(klass):
             base = _base_type(f.type)
             default = f.default
             help_text = f.metadata.get("help", "")
@@ -527,26 +509,20 @@ def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict) -> RunCo
         apply_overrides(cfg, get_preset(preset), f"preset {preset}")
     apply_overrides(cfg, file_values, f"--config {yaml_path}")
     explicit = set(cli) | _keys(file_values)
-    if (cli.get("optimizer") or cfg.optimizer.optimizer) in MD_RECIPE_OPTIMIZERS:
-        # The MD paper recipe, unless set explicitly: no weight decay, no warmup, linear decay.
-        for k, v in MD_RECIPE.items():
-            if k not in explicit:
-                apply_overrides(cfg, {k: v}, "MD recipe")
+    family = FAMILIES.get(cli.get("optimizer") or cfg.optimizer.optimizer)
+    for k, v in (family.recipe if family else {}).items():  # the family's recipe, unless set explicitly
+        if k not in explicit:
+            apply_overrides(cfg, {k: v}, f"{cli.get('optimizer') or cfg.optimizer.optimizer} recipe")
     apply_overrides(cfg, cli, "command line")
     derive_sizes(cfg.model, explicit)
     return cfg
 
 
-MD_OPTIMIZERS = ("muon_md", "adam_md", "lion_md", "soap_md")  # MD decoupling, by base update
-MD_RECIPE_OPTIMIZERS = MD_OPTIMIZERS
-MD_RECIPE = {"weight_decay": 0.0, "lr_warmup_iters": 0, "lr_decay_style": "linear", "clip_grad": 1.0}
-
-
 def _keys(d: dict) -> set[str]:
     out = set()
     for k, v in d.items():
-        if k in SECTIONS and isinstance(v, dict):
-            out |= {x.replace("-", "_") for x in v}
+        if k in _SECTION_NAMES and isinstance(v, dict):
+            out |= _keys(v)
         else:
             out.add(k.replace("-", "_"))
     return out
@@ -554,14 +530,16 @@ def _keys(d: dict) -> set[str]:
 
 def derive_sizes(m: ModelConfig, explicit: set[str] = frozenset()) -> None:
     """Fill heads, groups and FFN widths from hidden size and the shape ratios."""
-    if m.num_attention_heads is None or ("hidden_size" in explicit and "num_attention_heads" not in explicit):
+    derive_heads = m.num_attention_heads is None or ("hidden_size" in explicit and "num_attention_heads" not in explicit)
+    if derive_heads and m.kv_channels >= 1:  # (a --kv-channels below 1 is refused by its range, by flag)
         if m.hidden_size % m.kv_channels:
             raise ValueError(
                 f"--hidden-size {m.hidden_size} is not a multiple of --kv-channels {m.kv_channels}; "
                 "pick a width that is, or set --num-attention-heads explicitly"
             )
         m.num_attention_heads = m.hidden_size // m.kv_channels
-    if m.num_query_groups is None or ("num_query_groups" not in explicit and "hidden_size" in explicit):
+    if m.num_attention_heads is not None and (
+            m.num_query_groups is None or ("num_query_groups" not in explicit and "hidden_size" in explicit)):
         m.num_query_groups = max(1, int(round(m.num_attention_heads * m.query_group_ratio)))
     if m.ffn_hidden_size is None or ("ffn_hidden_size" not in explicit and "hidden_size" in explicit):
         m.ffn_hidden_size = int(round(m.ffn_ratio * m.hidden_size))
@@ -570,8 +548,9 @@ def derive_sizes(m: ModelConfig, explicit: set[str] = frozenset()) -> None:
         or ("moe_ffn_hidden_size" not in explicit and "hidden_size" in explicit)
     ):
         m.moe_ffn_hidden_size = int(round(m.moe_ffn_ratio * m.hidden_size))
-    if m.max_position_embeddings is None or m.max_position_embeddings < m.seq_length:
-        m.max_position_embeddings = m.seq_length
+    if m.max_position_embeddings is None or (
+            "max_position_embeddings" not in explicit and m.max_position_embeddings < m.seq_length):
+        m.max_position_embeddings = m.seq_length  # (a value the user set is checked against --seq-length)
 
 
 def dump_json(cfg: RunConfig) -> str:

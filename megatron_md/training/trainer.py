@@ -25,10 +25,11 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_md.mcore.families import family_of
 from megatron_md.models.presets import count_parameters, human
-from megatron_md.training import checkpointing as ckpt
+from megatron_md.training.checkpoints import checkpointing as ckpt
 from megatron_md.training.build import (
-    build_optimizer,
+    build_optimizer_and_hooks,
     build_wrapped_model,
     global_batch_size,
     layer_wise,
@@ -37,12 +38,12 @@ from megatron_md.training.build import (
     vocab_size_for,
     with_vocab,
 )
-from megatron_md.training.preemption import TIME_UP, PreemptionWatch, mark_preempted, signal_name
-from megatron_md.training.batches import micro_batches
-from megatron_md.training import throughput as tp
-from megatron_md.training.config import MD_OPTIMIZERS, RunConfig
-from megatron_md.training.profiling import StepProfiler
-from megatron_md.training.run_logging import RunLogger
+from megatron_md.training.checkpoints.preemption import TIME_UP, PreemptionWatch, mark_preempted, signal_name
+from megatron_md.training.data.batches import micro_batches
+from megatron_md.training.observability import throughput as tp
+from megatron_md.training.config import RunConfig
+from megatron_md.training.observability.profiling import StepProfiler
+from megatron_md.training.observability.run_logging import RunLogger
 from megatron_md.training.step import all_finite, make_forward_step, reduce_loss
 from megatron_md.training.validate import ConfigError
 
@@ -93,10 +94,8 @@ class Trainer:
         self.tokenizer = make_tokenizer(cfg)
         self.vocab = vocab_size_for(cfg, self.tokenizer)
         self.model, self.tconfig = build_wrapped_model(cfg, self.vocab, self.cpu)
-        self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
-        if cfg.optimizer.optimizer in (*MD_OPTIMIZERS, "manifold_muon"):
-            from megatron_md.mcore.md_checkpoint import sync_model_params
-            sync_model_params(self.optimizer)  # step 0's forward sees the projected weights
+        self.optimizer, self.scheduler, self.hooks = build_optimizer_and_hooks(cfg, self.model)
+        family_of(cfg).after_build(self.optimizer)  # step 0's forward sees the projected weights
         self.gbs = global_batch_size(cfg)
         cfg.training.global_batch_size = self.gbs  # saved with checkpoints: score --validation needs it
         self.dp_size = ps.get_data_parallel_world_size()
@@ -122,7 +121,7 @@ class Trainer:
         )
         self._announce()
         self.train_ds, self.valid_ds = self._datasets()
-        from megatron_md.training.diagnostics import AttentionProbe
+        from megatron_md.training.observability.diagnostics import AttentionProbe
 
         self.probe = AttentionProbe(ckpt.unwrap(self.model)) if cfg.logging.diagnostics_interval else None
         self.preemption = PreemptionWatch(cfg.training.exit_signal_handler)
@@ -163,7 +162,7 @@ class Trainer:
             extra = common.get("extra", {})
             self.state.skipped_total = extra.get("skipped_total", 0)
             self.state.nan_total = extra.get("nan_total", 0)
-            self._restore_auto_policy(extra.get("auto_policy"))
+            self.logger_lines += self.hooks.load_state_dict(extra.get("auto_policy"), self.optimizer)
             self._loaded_from = common["path"]
             return True
         if c.pretrained_checkpoint:
@@ -193,16 +192,15 @@ class Trainer:
         )
         if hasattr(self, "_loaded_from"):
             log.print(f"loaded checkpoint {self._loaded_from} at iteration {self.state.iteration}")
-        policy = getattr(self.optimizer, "megatron_md_policy", None)
-        if policy is not None:
-            log.print(policy.describe())
+        for line in self.hooks.describe():
+            log.print(line)
         for line in self.logger_lines:
             log.print(line)
         log.print(f"run directory: {Path(cfg.logging.run_dir).resolve()}")
 
     def _datasets(self):
         cfg, t = self.cfg, self.cfg.training
-        from megatron_md.training.data import build_gpt_datasets
+        from megatron_md.training.data.datasets import build_gpt_datasets
 
         evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
         sizes = (t.train_iters * self.gbs, evals * t.eval_iters * self.gbs, 0)
@@ -321,7 +319,7 @@ class Trainer:
             run_config_yaml=self.cfg.to_yaml(),
             tokenizer_model=self.cfg.data.tokenizer_model,
             extra={"skipped_total": self.state.skipped_total, "nan_total": self.state.nan_total,
-                   "auto_policy": self._auto_policy_state()},
+                   "auto_policy": self.hooks.state_dict()},
             layer_wise=layer_wise(self.cfg),
             fully_reshardable=c.dist_ckpt_optim_fully_reshardable,
             async_save=c.async_save,
@@ -457,35 +455,17 @@ class Trainer:
             if load is not None:
                 rec["moe_expert_load_max"], rec["moe_expert_load_min"] = load
         if self._diagnostics_due(self.state.iteration):
-            from megatron_md.training.diagnostics import collect
+            from megatron_md.training.observability.diagnostics import collect
 
             with self.params_synced():
                 diag = collect(self.model, self.optimizer, self.probe)
             rec.update(diag)
-            policy = getattr(self.optimizer, "megatron_md_policy", None)
-            if policy is not None:
-                from megatron_md.mcore.manifold_optimizer import auto_observe
-
-                for line in auto_observe(policy, self.optimizer, diag):
-                    self.logger.print(line)
+            for line in self.hooks.observe(self.optimizer, diag):
+                self.logger.print(line)
         matrix_lr = self._group_lr("hidden") or self._group_lr("manifold")
         if matrix_lr is not None:
             rec["matrix_lr"] = matrix_lr
         self.logger.log_train(rec)
-
-    def _auto_policy_state(self):
-        policy = getattr(self.optimizer, "megatron_md_policy", None)
-        return policy.state_dict() if hasattr(policy, "switched") else None
-
-    def _restore_auto_policy(self, state) -> None:
-        policy = getattr(self.optimizer, "megatron_md_policy", None)
-        if state and hasattr(policy, "switched"):
-            from megatron_md.mcore.manifold_optimizer import apply_switches
-
-            policy.load_state_dict(state)
-            apply_switches(policy, self.optimizer)
-            for line in policy.log:
-                self.logger_lines.append(f"(restored) {line}")
 
     def _diagnostics_due(self, iteration: int) -> bool:
         lg = self.cfg.logging

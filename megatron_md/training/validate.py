@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_md.training.config import MD_OPTIMIZERS, RunConfig
+from megatron_md.mcore.families import family_of
+from megatron_md.training.config import RunConfig, range_errors
 
 
 class ConfigError(ValueError):
@@ -19,14 +20,15 @@ def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
 def validate_config(cfg: RunConfig, world_size: int) -> None:
     """Raise ConfigError for the first invalid combination found."""
     m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
+    out_of_range = range_errors(cfg)  # first: the checks below divide by these sizes
+    if out_of_range:
+        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(out_of_range))
     errors: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
             errors.append(msg)
 
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
-        need(getattr(p, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size or tp
     need(
@@ -88,15 +90,12 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     if world_size % (tp * pp) == 0:
         dp = data_parallel_size(cfg, world_size)
         gbs = t.global_batch_size or t.micro_batch_size * dp
-        need(t.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
         need(
             gbs % (t.micro_batch_size * dp) == 0,
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x "
             f"data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}",
         )
-    need(t.train_iters >= 0, "--train-iters must be >= 0")
     need(t.train_iters > 0 or cfg.checkpoint.save is not None, "--train-iters 0 only makes sense with --save (a seed checkpoint)")
-    need(o.lr > 0, "--lr must be > 0")
     need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
     need(
         o.lr_warmup_iters < (o.lr_decay_iters or t.train_iters) or o.lr_warmup_iters == 0,
@@ -105,39 +104,9 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     )
     if o.lr_decay_style == "WSD":
         need(o.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
-    need(o.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
-    if o.optimizer == "manifold_muon":
-        for name in ("manifold_dual_steps", "manifold_msign_steps", "manifold_fast_dual_steps",
-                     "manifold_fast_msign_steps"):
-            need(getattr(o, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("manifold_dual_lr", "manifold_fast_dual_lr"):
-            need(getattr(o, name) > 0, f"--{name.replace('_', '-')} must be > 0")
-    if o.optimizer == "muon":
-        need(o.muon_tp_mode != "layer_sharded",
-             "--muon-tp-mode layer_sharded is MD's and Manifold Muon's engine; megatron-core 0.19's muon takes "
-             "duplicated, distributed or blockwise")
-    elif o.optimizer in ("muon_md", "manifold_muon"):
-        need(o.muon_tp_mode in ("auto", "layer_sharded", "duplicated"),
-             f"--muon-tp-mode {o.muon_tp_mode} is megatron Muon's; {o.optimizer} orthogonalises whole matrices: "
-             "use layer_sharded (default) or duplicated")
-    _md_option_errors(cfg, need)
-    if o.optimizer in (*MD_OPTIMIZERS, "manifold_muon"):
-        need(o.muon_scale_mode == "spectral",
-             f"--muon-scale-mode is megatron Muon's; {o.optimizer} scales its update with --md-scale-mode")
-        need(o.muon_extra_scale_factor == 1.0,
-             f"--muon-extra-scale-factor is megatron Muon's; {o.optimizer} has no extra update scale (its LR sets "
-             "the step: --matrix-lr)")
-    if o.optimizer == "manifold_muon":
-        need(o.md_ns_coefficients == "quintic" or "md" in o.geometry,
-             "--md-ns-coefficients applies to MD groups only and --geometry "
-             f"{o.geometry} has none; Manifold Muon uses Polar Express (--manifold-msign-steps, "
-             "--manifold-fast-msign-steps)")
-        need(o.muon_num_ns_steps == 5 or "md" in o.geometry,
-             "--muon-num-ns-steps applies to MD groups only and --geometry "
-             f"{o.geometry} has none; set --manifold-msign-steps / --manifold-fast-msign-steps instead")
-    need(cfg.logging.log_interval >= 1, "--log-interval must be >= 1")
+    family_of(cfg).validate(cfg, need)
     need(m.seq_length <= m.max_position_embeddings, "--seq-length exceeds --max-position-embeddings")
-    if o.optimizer != "adam" and p.use_distributed_optimizer:
+    if family_of(cfg).steps_matrices and p.use_distributed_optimizer:
         need(
             t.bf16,
             f"--optimizer {o.optimizer} with --use-distributed-optimizer uses megatron-core's "
@@ -154,7 +123,7 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             "--vocab-file and --merge-file)",
         )
     if not d.mock_data and d.tokenizer_type != "NullTokenizer":
-        from megatron_md.training.tokenizer import tokenizer_errors
+        from megatron_md.training.data.tokenizer import tokenizer_errors
 
         for e in tokenizer_errors(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file):
             need(False, e)
@@ -175,7 +144,6 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             "or choose a new --save directory (existing checkpoints are never overwritten)",
         )
     if c.save_interval is not None:
-        need(c.save_interval >= 1, "--save-interval must be >= 1")
         need(c.save is not None, "--save-interval needs --save DIR")
 
     errors += performance_errors(cfg, world_size)
@@ -196,7 +164,6 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
          "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (the gather it "
          "overlaps is the distributed optimizer's, launched by the gradient buckets)")
     if p.ddp_bucket_size is not None:
-        need(p.ddp_bucket_size >= 1, "--ddp-bucket-size must be >= 1 (elements)")
         need(p.overlap_grad_reduce, "--ddp-bucket-size only matters with --overlap-grad-reduce (without it each "
              "buffer is reduced as one bucket after the backward pass); add --overlap-grad-reduce or drop it")
     layers_per_stage = m.num_layers // max(p.pipeline_model_parallel_size, 1)
@@ -206,13 +173,11 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
              "layers of a pipeline stage")
     if m.num_experts:
         if m.moe_expert_capacity_factor is not None:
-            need(m.moe_expert_capacity_factor > 0, "--moe-expert-capacity-factor must be > 0 (unset: no capacity)")
             need(m.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
                  f"--moe-expert-capacity-factor works with --moe-router-load-balancing-type aux_loss, "
                  f"seq_aux_loss or none, not {m.moe_router_load_balancing_type}")
         need(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-        need(m.moe_z_loss_coeff is None or m.moe_z_loss_coeff >= 0, "--moe-z-loss-coeff must be >= 0")
         shared = m.moe_shared_expert_intermediate_size
         need(shared is None or (shared > 0 and shared % p.tensor_model_parallel_size == 0),
              f"--moe-shared-expert-intermediate-size {shared} must be > 0 and divisible by TP "
@@ -220,8 +185,6 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
     else:
         for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size"):
             need(getattr(m, name) is None, f"--{name.replace('_', '-')} needs an MoE model (--num-experts)")
-    if t.exit_duration_in_mins is not None:
-        need(t.exit_duration_in_mins > 0, "--exit-duration-in-mins must be > 0")
     if t.rampup_batch_size:
         errors += _rampup_errors(cfg, world_size)
     if t.profile:
@@ -232,7 +195,6 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
         need(all(r.isdigit() and int(r) < world_size for r in ranks),
              f"--profile-ranks {' '.join(ranks)}: global ranks of this run are 0..{world_size - 1}")
     if c.keep_last_n_checkpoints is not None:
-        need(c.keep_last_n_checkpoints >= 1, "--keep-last-n-checkpoints must be >= 1 (unset: keep all)")
         need(c.save is not None, "--keep-last-n-checkpoints needs --save DIR")
     need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
     return errors
@@ -260,30 +222,3 @@ def _rampup_errors(cfg: RunConfig, world_size: int) -> list[str]:
                       "be a multiple of INCREMENT")
     return errors
 
-
-def _md_option_errors(cfg: RunConfig, need) -> None:
-    """MD options of the authors' code: only for MD optimizers, and only in combinations that can hold."""
-    o, p = cfg.optimizer, cfg.parallel
-    md_like = o.optimizer in (*MD_OPTIMIZERS, "manifold_muon")
-    flags = {"md_preserve_init": o.md_preserve_init, "md_tangent_grad": o.md_tangent_grad,
-             "md_normalize_update": o.md_normalize_update}
-    for name, on in flags.items():
-        need(md_like or not on, f"--{name.replace('_', '-')} is an MD option; it needs --optimizer "
-             f"{', '.join(MD_OPTIMIZERS)} (or manifold_muon with MD groups), not {o.optimizer}")
-    if o.optimizer == "manifold_muon":
-        need("embed" not in (o.md_sphere, o.md_gains) and not o.md_out_proj_radius,
-             "manifold_muon groups matrices by role, so out-projections cannot differ from the other hidden "
-             "matrices: drop --md-sphere/--md-gains embed and --md-out-proj-radius, or use an MD optimizer")
-    if o.md_preserve_init:
-        sphere = "row" if o.md_sphere == "embed" else o.md_sphere
-        holds = {"flat": ("rowcol", "row", "col", "flat", "embed"), "row": ("rowcol", "row", "embed"),
-                 "col": ("rowcol", "col")}[sphere]
-        need(o.md_gains in holds, f"--md-preserve-init keeps the initial norms in the gains, and on the "
-             f"{o.md_sphere} sphere that needs --md-gains {' or '.join(holds)} (got {o.md_gains})")
-    for name in ("lion_beta1", "lion_beta2", "soap_shampoo_beta"):
-        need(0.0 <= getattr(o, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(o, name)}")
-    if o.optimizer == "soap_md":
-        tp, etp = p.tensor_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
-        need(tp == 1 and etp == 1, "soap_md keeps Kronecker factors of whole matrices, so it does not run on "
-             f"tensor-parallel shards (TP {tp}, expert TP {etp}); use --tensor-model-parallel-size 1 and "
-             "--expert-tensor-parallel-size 1, or another MD base (muon_md, adam_md, lion_md)")

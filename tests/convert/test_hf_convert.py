@@ -46,7 +46,7 @@ def rel(a, b) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Checkpoints of a dense fp32 run (PP2) and a MoE bf16 run (TP2, EP2, SP), with a SentencePiece tokenizer."""
-    from megatron_md.training.data import prepare_demo_data
+    from megatron_md.training.data.datasets import prepare_demo_data
 
     d = tmp_path_factory.mktemp("hf")
     prefix, tok = prepare_demo_data(d / "data", vocab_size=512, log=None)
@@ -84,7 +84,7 @@ def test_dense_export_logits_and_tokenizer(runs):
     assert len(set(index["weight_map"].values())) > 1  # sharded
     from transformers import AutoTokenizer
 
-    from megatron_md.training.tokenizer import build_tokenizer
+    from megatron_md.training.data.tokenizer import build_tokenizer
 
     ours, hf = build_tokenizer("SentencePieceTokenizer", runs.tok), AutoTokenizer.from_pretrained(str(out))
     for text in ("Hello, world!  The for statement\n\tx = [1, 22, 333]", "Grüße, 東京 🚀 <s>"):

@@ -17,7 +17,7 @@ from torch import nn
 
 from megatron_md.mcore import naming
 from megatron_md.optim.policy import layer_of, role_of
-from megatron_md.training.diagnostics import label
+from megatron_md.training.observability.diagnostics import label
 
 H, FFN, EXPERTS = 4, 3, 4
 

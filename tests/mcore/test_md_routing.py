@@ -94,12 +94,11 @@ def test_out_projection_radius_option(mcore_world):
 
 
 def test_md_optimizer_names_agree():
-    """The trainer's list of MD optimizers (no megatron import) and the registry's name -> base map."""
-    from megatron_md.mcore.md_optimizer import MD_OPTIMIZERS as REGISTERED
+    """The MD family's one list of optimizers covers every base update, and is what megatron's registry gets."""
+    from megatron_md.mcore.families import MD_OPTIMIZERS, MDFamily
     from megatron_md.optim.bases import BASES
-    from megatron_md.training.config import MD_OPTIMIZERS
 
-    assert tuple(REGISTERED) == MD_OPTIMIZERS and set(REGISTERED.values()) == set(BASES)
+    assert tuple(MDFamily.BASES) == MD_OPTIMIZERS and set(MDFamily.BASES.values()) == set(BASES)
 
 
 def test_embed_mode_and_preserve_init_route_by_role(mcore_world):
@@ -128,3 +127,28 @@ def test_embed_mode_and_preserve_init_route_by_role(mcore_world):
         assert (g_row is None) == out_proj and (g_col is None) != out_proj
         seen.add(out_proj)
     assert seen == {True, False}
+
+
+def test_authors_options_reach_their_groups(mcore_world):
+    """The flags of the authors' options land in the MD groups they are meant for: geometry and split gains on
+    hidden matrices only, the routing switches on the router, embedding and head, the LR bands as asked."""
+    from megatron_md.training.build import build_optimizer, build_wrapped_model
+
+    cfg = resolve("tiny-moe", None, {
+        "optimizer": "ademamix_md", "mock_data": True, "lr": 0.001, "min_lr": 1e-5, "output_lr": 0.004,
+        "min_lr_mode": "absolute", "md_sphere_kind": "spectral", "md_split_heads": True, "md_split_qkv_gains": True,
+        "md_gains_min": 0.01, "md_gains_beta1": 0.7, "md_gains_eps": 1e-10, "md_embedding_sphere": "col",
+        "md_embedding_gains": "row", "md_embeddings_base": "muon", "md_router_base": "adam", "ademamix_alpha": 3.0})
+    model, _ = build_wrapped_model(cfg, cfg.model.vocab_size, cpu=True)
+    optimizer, _ = build_optimizer(cfg, model)
+    groups = {key: g for key, (g, _, _) in _md_params(optimizer).items()}
+    qkv = next(g for k, g in groups.items() if k.endswith("linear_qkv.weight"))
+    router = next(g for k, g in groups.items() if k.endswith("router.weight"))
+    emb = next(g for k, g in groups.items() if k.endswith("word_embeddings.weight"))
+    head = next(g for k, g in groups.items() if k.endswith("output_layer.weight"))
+    assert (qkv["md_base"], qkv["sphere_kind"], qkv["split_heads"], qkv["split_qkv_gains"]) == (
+        "ademamix", "spectral", True, True)
+    assert (qkv["gains_min"], qkv["gains_betas"][0], qkv["gains_eps"], qkv["ademamix_alpha"]) == (0.01, 0.7, 1e-10, 3.0)
+    assert router["md_base"] == "adam" and router.get("sphere_kind", "l2") == "l2" and not router.get("split_heads")
+    assert (emb["sphere"], emb["gains"], emb["md_base"]) == ("col", "row", "muon")
+    assert (head["md_base"], head["max_lr"], head["min_lr"], qkv["min_lr"]) == ("muon", 0.004, 1e-5, 1e-5)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_md.optim import AdamMD, MuonMD, Reducer, gain_param, msign, qkv_row_index
-from megatron_md.optim.md import direction_grad, gain_grads, recover_direction
+from megatron_md.optim.gains import direction_grad, gain_grads, recover_direction
 
 # GQA: 4 heads, 2 query groups, kv_channels 16, hidden 64 -> per group [32 q, 16 k, 16 v] rows
 QKV_SPLIT = (32, 16, 16)
@@ -290,7 +290,7 @@ def test_single_axis_and_no_gains(gains):
 
 
 def test_direct_gains_stay_above_floor():
-    p, opt = _make("adam", "square", lr=0.01, gains_lr=0.5, gain_param="direct", gmin=1e-3)
+    p, opt = _make("adam", "square", lr=0.01, gains_lr=0.5, gain_param="direct", gains_min=1e-3)
     for _ in range(5):
         p.grad = torch.randn_like(p) * 10
         opt.step()
@@ -360,7 +360,7 @@ def test_qkv_split_read_from_param_attribute():
 def test_sphere_norms_are_accurate_on_big_matrices(mode):
     """fp32 vector_norm over a whole CPU matrix accumulates naively (5e-3 relative off at 131072x512);
     the projection must land on its sphere to fp32 accuracy at the real embedding/LM-head size."""
-    from megatron_md.optim.md import project_
+    from megatron_md.optim.sphere import project_
 
     torch.manual_seed(0)
     W = project_(torch.randn(131072, 512), mode)

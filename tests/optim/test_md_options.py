@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from mdtest import run_and_compare as _run_and_compare
 import torch.nn.functional as F
 
 from megatron_md.optim import AdamMD, LionMD, MuonMD, msign
@@ -130,15 +131,6 @@ def _pair(base, shape=(48, 80), seed=0, lr=None, gains_lr=0.05, **opts):
     return p, opt, ref
 
 
-def _run_and_compare(p, opt, ref, steps=4, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    torch.testing.assert_close(p.detach().double(), ref.W, rtol=1e-5, atol=1e-6)
-    for _ in range(steps):
-        G = torch.randn(p.shape, generator=gen)
-        p.grad = G.clone()
-        opt.step()
-        ref.step(G)
-    torch.testing.assert_close(p.detach().double(), ref.W, rtol=2e-4, atol=2e-5)
 
 
 CASES = {

@@ -47,7 +47,7 @@ def write_jsonl(path: Path, docs: list[str], key: str = "text") -> Path:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 60-document corpus and a 400-piece BPE tokenizer trained on it."""
-    from megatron_md.training.tokenizer import train_sentencepiece
+    from megatron_md.training.data.tokenizer import train_sentencepiece
 
     d = tmp_path_factory.mktemp("tiny")
     docs = make_docs(60)
@@ -65,7 +65,7 @@ def read_documents(prefix: str) -> list[list[int]]:
 
 # ----------------------------------------------------------------------------- tokenizer
 def test_tokenizer_ids_and_roundtrip(tiny):
-    from megatron_md.training.tokenizer import build_tokenizer
+    from megatron_md.training.data.tokenizer import build_tokenizer
 
     _, docs, _, model = tiny
     tok = build_tokenizer("SentencePieceTokenizer", model)
@@ -84,7 +84,7 @@ def test_tokenizer_ids_and_roundtrip(tiny):
 
 
 def test_tokenizer_missing_files(tmp_path):
-    from megatron_md.training.tokenizer import build_tokenizer, train_sentencepiece
+    from megatron_md.training.data.tokenizer import build_tokenizer, train_sentencepiece
 
     with pytest.raises(FileNotFoundError, match="--input"):
         train_sentencepiece(tmp_path / "nope.jsonl", tmp_path / "sp", 400)
@@ -108,7 +108,7 @@ def test_train_tokenizer_cli(tmp_path, tiny):
 
 
 def test_null_tokenizer():
-    from megatron_md.training.tokenizer import build_tokenizer
+    from megatron_md.training.data.tokenizer import build_tokenizer
 
     tok = build_tokenizer("NullTokenizer", vocab_size=100)
     assert tok.vocab_size == 100 and tok.eod == 99
@@ -119,8 +119,8 @@ def test_null_tokenizer():
 
 # ----------------------------------------------------------------------------- preprocess
 def test_preprocess_roundtrip(tiny, tmp_path):
-    from megatron_md.training.preprocess import preprocess
-    from megatron_md.training.tokenizer import build_tokenizer
+    from megatron_md.training.data.preprocess import preprocess
+    from megatron_md.training.data.tokenizer import build_tokenizer
 
     _, docs, corpus, model = tiny
     tok = build_tokenizer("SentencePieceTokenizer", model)
@@ -143,7 +143,7 @@ def test_preprocess_roundtrip(tiny, tmp_path):
 
 
 def test_preprocess_workers_xz_txt_same_output(tiny, tmp_path):
-    from megatron_md.training.preprocess import preprocess
+    from megatron_md.training.data.preprocess import preprocess
 
     _, docs, corpus, model = tiny
     xz = write_jsonl(tmp_path / "c.jsonl.xz", docs)
@@ -158,7 +158,7 @@ def test_preprocess_workers_xz_txt_same_output(tiny, tmp_path):
 
 
 def test_preprocess_refuses_overwrite(tiny, tmp_path):
-    from megatron_md.training.preprocess import preprocess
+    from megatron_md.training.data.preprocess import preprocess
 
     _, docs, corpus, model = tiny
     preprocess(corpus, tmp_path / "out", tokenizer_model=model, log=None)
@@ -173,7 +173,7 @@ def test_preprocess_refuses_overwrite(tiny, tmp_path):
 
 
 def test_preprocess_bad_inputs(tiny, tmp_path):
-    from megatron_md.training.preprocess import preprocess
+    from megatron_md.training.data.preprocess import preprocess
 
     _, _, corpus, model = tiny
     with pytest.raises(FileNotFoundError, match="--input"):

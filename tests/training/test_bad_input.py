@@ -53,6 +53,17 @@ MOCK = ["--mock-data", "--wandb-mode", "disabled"]
           "2"], "soap_md keeps Kronecker factors of whole matrices"),
         (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--md-gains", "embed"],
          "manifold_muon groups matrices by role"),
+        # the options that need whole matrices, refused before launch on tensor-parallel shards
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--md-sphere-kind", "orthogonal", "--nproc-per-node",
+          "2", "--tensor-model-parallel-size", "2"], "--md-sphere-kind orthogonal takes the polar factor"),
+        (["--model", "tiny-dense", "--optimizer", "adam_md", "--md-gains", "lowrank", "--nproc-per-node", "2",
+          "--tensor-model-parallel-size", "2"], "--md-gains lowrank keeps factors of whole matrices"),
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--md-split-heads-update", "--nproc-per-node", "2",
+          "--tensor-model-parallel-size", "2"], "--md-split-heads-update orthogonalises each head"),
+        (["--model", "tiny-dense", "--optimizer", "muon_md", "--md-sphere-kind", "spectral", "--md-sphere", "row"],
+         "--md-sphere-kind spectral fixes a norm of the whole matrix: it needs --md-sphere flat"),
+        (["--model", "tiny-dense", "--optimizer", "norm_md", "--md-preserve-init", "--md-sphere", "rowcol",
+          "--md-gains", "row"], "needs --md-gains rowcol"),
     ],
 )
 def test_invalid_layouts_and_batches(capsys, args, needle):
@@ -98,3 +109,65 @@ def test_cuda_requested_without_gpu(capsys):
 
     with pytest.raises(ValueError, match="--device"):
         select_runtime("cuda")
+
+
+def _out_of_range(f) -> str:
+    """A value just outside the field's declared range."""
+    from megatron_md.training.config import _base_type
+
+    bad = {">=1": 0, ">=0": -1, ">0": 0, "[0,1)": 1, "(0,1]": 0}[f.metadata["valid"]]
+    return str(bad if _base_type(f.type) is int else float(bad))
+
+
+def _numeric_fields():
+    from megatron_md.training.config import FIELDS, _base_type
+
+    return [(n, f) for n, (_, f) in FIELDS.items() if _base_type(f.type) in (int, float)]
+
+
+def test_every_numeric_field_declares_its_range():
+    assert [n for n, f in _numeric_fields() if not f.metadata.get("valid")] == []
+
+
+@pytest.mark.parametrize("name,field", _numeric_fields(), ids=[n for n, _ in _numeric_fields()])
+def test_an_out_of_range_value_is_refused_by_flag_before_work(capsys, name, field):
+    """Every numeric flag, fed a value outside its range: exit 2 and a line naming the flag first (sizes derived
+    from it, e.g. heads from --hidden-size 0, may follow), no traceback."""
+    flag = "--" + name.replace("_", "-")
+    model = "tiny-moe" if "moe" in name or name == "num_experts" else "tiny-dense"
+    assert main(["train", "--model", model, *MOCK, flag, _out_of_range(field)]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip().startswith("- ")]
+    assert any(ln.strip().startswith(f"- {flag} must be") for ln in lines) and "Traceback" not in err, err
+
+
+def _fake_checkpoint(root, **model):
+    """The files the pre-load check reads: the latest pointer and the run config beside the checkpoint."""
+    from megatron_md.training.config import resolve
+
+    saved = resolve("tiny-dense", None, {"mock_data": True, **model})
+    (root / "iter_0000002").mkdir(parents=True)
+    (root / "iter_0000002" / "run_config.yaml").write_text(saved.to_yaml())
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_flag(tmp_path, capsys):
+    _fake_checkpoint(tmp_path / "ck", hidden_size=128)
+    assert main(["train", "--model", "tiny-dense", *MOCK, "--load", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "--load" in err and "--hidden-size 128 there, 64 here" in err
+
+
+def test_layout_differences_are_reported_as_reshardable_not_refused(tmp_path):
+    from megatron_md.training.config import resolve
+    from megatron_md.training.checkpoints.resume_check import check_checkpoint_fits
+
+    _fake_checkpoint(tmp_path / "ck", tensor_model_parallel_size=2)
+    cfg = resolve("tiny-dense", None, {"mock_data": True, "load": str(tmp_path / "ck")})
+    assert check_checkpoint_fits(cfg) == ["--tensor-model-parallel-size 2 there, 1 here"]
+    cfg = resolve("tiny-dense", None, {"mock_data": True, "load": str(tmp_path / "ck"), "num_layers": 4,
+                                       "pretrained_checkpoint": None})
+    with pytest.raises(ValueError, match=r"--num-layers 2 there, 4 here; set these as it was saved.*reshards them: "
+                                         r"--tensor-model-parallel-size 2 there, 1 here"):
+        check_checkpoint_fits(cfg)

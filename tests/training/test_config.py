@@ -81,7 +81,7 @@ def test_muon_newton_schulz_precision_is_fp32_on_cpu_unless_set():
 
     from megatron_md.training.build import ns_matmul_precision
 
-    assert resolve("tiny-dense", None, {}).optimizer.muon_fp32_matmul_prec == "auto"
+    assert resolve("tiny-dense", None, {}).optimizer.muon.muon_fp32_matmul_prec == "auto"
     assert ns_matmul_precision("auto", torch.device("cpu")) == "highest"
     assert ns_matmul_precision("auto", torch.device("cuda", 0)) == "medium"
     assert ns_matmul_precision("medium", torch.device("cpu")) == "medium"
@@ -94,7 +94,7 @@ def test_newton_schulz_flags_resolve_for_md_and_manifold():
     from megatron_md.mcore.md_optimizer import MDOptimizerConfig, ns_settings
     from megatron_md.training.build import ns_tp_mode
 
-    assert resolve("tiny-dense", None, {}).optimizer.muon_tp_mode == "auto"
+    assert resolve("tiny-dense", None, {}).optimizer.muon.muon_tp_mode == "auto"
     assert ns_tp_mode("auto", "muon_md") == ns_tp_mode("auto", "manifold_muon") == "layer_sharded"
     assert ns_tp_mode("auto", "muon") == "duplicated" and ns_tp_mode("duplicated", "muon_md") == "duplicated"
     gpu = ns_settings(MDOptimizerConfig(muon_fp32_matmul_prec="medium", muon_tp_mode="layer_sharded"))

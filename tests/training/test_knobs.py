@@ -52,7 +52,7 @@ def test_overlap_matches_and_async_save_resumes_bit_identically(tmp_path):
 
 
 def test_prune_keeps_newest_and_latest_and_never_touches_partials(tmp_path):
-    from megatron_md.training.checkpointing import prune_checkpoints
+    from megatron_md.training.checkpoints.checkpointing import prune_checkpoints
 
     for name in ("iter_0000001", "iter_0000002", "iter_0000003", "iter_0000004", "iter_0000005.partial",
                  "iter_0000002.old-17"):

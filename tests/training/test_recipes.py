@@ -88,7 +88,7 @@ def setting(path: Path) -> tuple:
     """What decides whether two recipes checkpoint the same way once shrunk."""
     cfg = resolve(None, str(path), {})
     m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
-    optimizer = o.optimizer + (f"/{o.manifold_mode}" if o.optimizer == "manifold_muon" else "")
+    optimizer = o.optimizer + (f"/{o.manifold.manifold_mode}" if o.optimizer == "manifold_muon" else "")
     layout = f"TP{_cap(p.tensor_model_parallel_size)}-PP{_cap(p.pipeline_model_parallel_size)}-" \
              f"EP{_cap(p.expert_model_parallel_size)}"
     kind = ("moe" if m.num_experts else "dense", m.normalization, m.position_embedding_type,
@@ -157,7 +157,7 @@ def test_recipe_maps_to_a_tested_setting(path, tmp_path):
 
 def _checkpoint_kind(cfg) -> tuple:
     o, p, m = cfg.optimizer, cfg.parallel, cfg.model
-    return (o.optimizer, o.manifold_mode if o.optimizer == "manifold_muon" else None, cfg.training.bf16,
+    return (o.optimizer, o.manifold.manifold_mode if o.optimizer == "manifold_muon" else None, cfg.training.bf16,
             p.use_distributed_optimizer, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
             p.expert_model_parallel_size, m.num_experts, m.normalization, m.position_embedding_type,
             m.untie_embeddings_and_output_weights, m.hidden_size, m.num_layers, m.num_attention_heads,
