@@ -150,6 +150,12 @@ def inventory(cfg, lay: Layout, stage: int) -> list[Tensor]:
 # ------------------------------------------------------------------------------------------------ optimizer
 
 
+# per base update: (Adam moments, momentum-like buffers) of the matrix's shape, and whether it keeps Kronecker
+# factors. Adam, SOAP's inner Adam; AdEMAMix adds its slow EMA; Muon, Lion and the normalised base one buffer.
+BASE_STATE = {"adam": (2, 0, False), "soap": (2, 0, True), "ademamix": (2, 1, False), "muon": (0, 1, False),
+              "lion": (0, 1, False), "norm": (0, 1, False)}
+
+
 def _gain_elems(shape: tuple, gains: str, rank: int = 4) -> int:
     rows, cols = shape
     # "embed" is row gains, column gains on out-projections: the larger of the two bounds it
@@ -164,21 +170,13 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
     kinds = {"adam_moments": 0, "muon_momentum": 0, "md_gains": 0, "manifold_duals": 0, "soap_factors": 0}
     family = family_of(cfg)
 
-    def adam(n):
-        kinds["adam_moments"] += 2 * FP32 * n
-
     def base(kind, n, tn: Tensor | None = None):
-        if kind == "adam":
-            adam(n)
-        elif kind == "ademamix":  # Adam's moments plus the slow EMA
-            adam(n)
-            kinds["muon_momentum"] += FP32 * n
-        elif kind == "soap":  # Adam moments plus the Kronecker factors L, R and their eigenbases Q_L, Q_R
-            adam(n)
+        moments, momenta, kronecker = BASE_STATE[kind]
+        kinds["adam_moments"] += moments * FP32 * n
+        kinds["muon_momentum"] += momenta * FP32 * n
+        if kronecker:  # SOAP: the Kronecker factors L, R and their eigenbases Q_L, Q_R
             rows, cols = tn.full
             kinds["soap_factors"] += 2 * FP32 * tn.count * (rows * rows + cols * cols)
-        else:  # Muon's momentum, Lion's EMA, the normalised base's momentum
-            kinds["muon_momentum"] += FP32 * n
 
     def md(tn: Tensor, base_kind: str, gains: str):
         base(base_kind, tn.numel, tn)
@@ -188,7 +186,7 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
     for tn in tensors:
         matrix = len(tn.local) == 2 and tn.role not in ("norm", "bias", "position_embedding")
         if not matrix:
-            adam(tn.numel)
+            base("adam", tn.numel)
             continue
         a = family.assign(cfg, tn.role)
         if a.kind == "md":
