@@ -110,6 +110,10 @@ class MDConfig:
         False, "MD, Manifold Muon: one Newton-Schulz call per matrix inside each same-shape bucket (debugging: "
         "bitwise the unbatched result; batching changes fp32 rounding only)."
     )
+    md_per_matrix_step: bool = opt(
+        False, "MD: run the prepare and finish phases one matrix at a time (the reference path) instead of on "
+        "stacks of same-shape matrices; the same step to fp32 rounding, with one set of launches per matrix."
+    )
     md_embedding_sphere: str = opt("row", "MD: word-embedding sphere (none: plain AdamW).",
                                    ["row", "col", "flat", "none"])
     md_embedding_gains: str = opt("none", "MD: word-embedding gains.", ["none", "rowcol", "row", "col", "flat"])

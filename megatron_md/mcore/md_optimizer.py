@@ -122,6 +122,7 @@ class MegatronMD(MDOptimizer):
         self.ns = ns_settings(config)
         adam.set_compile(config.md.md_compile)
         self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md.md_ns_per_matrix)
+        self.per_matrix = config.md.md_per_matrix_step
         self._kernels: dict[tuple, object] = {}
         self._bases = {name: cls() for name, cls in BASES.items()}
         self._reducers: dict[int, ShardedReducer] = {}

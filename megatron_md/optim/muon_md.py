@@ -19,6 +19,7 @@ import torch
 from .bases import AdamBase, AdEMAMixBase, BaseUpdate, LionBase, MuonBase, NormalizedBase, SoapBase
 from .blocks import Block
 from .geometry import project_direction_
+from . import md_batched
 from .md import (
     MDHyperParams,
     Orthogonalize,
@@ -33,6 +34,7 @@ from .md import (
     preserved_gains,
     recover_direction,
 )
+from .msign import msign
 from .sphere import LOCAL_REDUCER, Reducer
 
 
@@ -44,11 +46,14 @@ class MDOptimizer(torch.optim.Optimizer):
     # after construction (a distributed optimizer handing each rank the matrices it owns) sets True:
     # state is then made on a matrix's first step, or by ``_init_group`` before a checkpoint load.
     lazy_state = False
+    # True: every matrix through md.py's per-matrix phases (the reference; --md-per-matrix-step)
+    per_matrix = False
 
     def __init__(self, params: Iterable[Any], defaults: dict, base: BaseUpdate):
         self.base = base  # set before super().__init__, which calls add_param_group
         self._blocks: dict[torch.Tensor, tuple[list[Block], list[Block]]] = {}  # (update, sphere) blocks
         self._seeds: dict[torch.Tensor, tuple] = {}  # preserve_init gains awaiting a lazily made state
+        self._slabs: dict[tuple, md_batched.Slab] = {}  # stacked state of same-shape matrices (md_batched.py)
         super().__init__(params, defaults)
 
     # --- hooks for tensor-parallel glue -----------------------------------------------------------
@@ -107,42 +112,100 @@ class MDOptimizer(torch.optim.Optimizer):
     def orthogonalize_all(self, requests: list[tuple]) -> list[list[torch.Tensor]]:
         """msign of every block of every matrix: ``requests`` = ``[(p, hp, [(U_block, global_shape), ...])]``.
 
-        Here one after the other in this process; distributed glue overrides this to batch them and give
-        each matrix one owner rank."""
-        out = []
-        for p, hp, blocks in requests:
-            fn = self.orthogonalizer_for(p, hp) or default_orthogonalize(hp)
-            out.append([fn(U, shape) for U, shape in blocks])
+        Here in this process: blocks of the same shape and Newton-Schulz settings as one batched msign (one by
+        one with ``per_matrix``, or where ``orthogonalizer_for`` gives a function); distributed glue overrides
+        this to batch them across ranks and give each matrix one owner."""
+        out: list[list] = [[None] * len(blocks) for _, _, blocks in requests]
+        batches: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
+        for i, (p, hp, blocks) in enumerate(requests):
+            fn = self.orthogonalizer_for(p, hp)
+            for j, (U, shape) in enumerate(blocks):
+                if fn is None and not self.per_matrix:
+                    key = (tuple(U.shape), U.dtype, U.device, hp.ns_steps, hp.ns_coefficients)
+                    batches.setdefault(key, []).append((i, j, U))
+                else:
+                    out[i][j] = (fn or default_orthogonalize(hp))(U, shape)
+        for (_, _, _, steps, coefficients), items in batches.items():
+            O = msign(torch.stack([U for _, _, U in items]), steps=steps, coefficients=coefficients)
+            for (i, j, _), o in zip(items, O.unbind(0)):
+                out[i][j] = o
         return out
 
     @torch.no_grad()
     def step(self, closure=None):
         """Every matrix in three phases (``md.py``): prepare (gain gradients, Ĝ, base direction), orthogonalise
-        the Muon-base blocks of all matrices together, finish (step, sphere, gain Adam, re-fused weight)."""
+        the Muon-base blocks of all matrices together, finish (step, sphere, gain Adam, re-fused weight).
+        Same-shape matrices run each phase as one stack (``md_batched.py``) unless ``per_matrix`` is set."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        waiting = []
-        for group in self.md_groups():
+        waiting, stacks = [], []
+        for index, group in enumerate(self.md_groups()):
             self.prepare_group(group)
             hp = MDHyperParams.from_group(group)
             base = self.base_for(hp)
+            buckets: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if not self.state[p]:  # e.g. state dropped by a load without optimizer state
                     self._init_param(p, hp, project=False)
                 r = self.reducer_for(p)
-                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, *self._param_blocks(p, hp))
+                blocks, sphere_blocks = self._param_blocks(p, hp)
+                if not self.per_matrix and md_batched.batchable(self.state[p], hp, base, blocks, sphere_blocks):
+                    buckets.setdefault(md_batched.bucket_key(p, blocks, r), []).append(p)
+                    continue
+                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, blocks, sphere_blocks)
                 if base.orthogonalizes:
                     waiting.append((p, hp, base, r, prep))
                 else:
                     md_finish_(p, prep, self.state[p], hp, base, r)
-        done = self.orthogonalize_all([(p, hp, prep.blocks_to_orthogonalize()) for p, hp, _, _, prep in waiting])
+            for key, params in buckets.items():
+                slab = self._slab((index, key), params)
+                if slab is None:  # states that cannot share a stack (e.g. different step counts): one by one
+                    for p in params:
+                        r = self.reducer_for(p)
+                        prep = md_prepare(p, p.grad, self.state[p], hp, base, r, *self._param_blocks(p, hp))
+                        if base.orthogonalizes:
+                            waiting.append((p, hp, base, r, prep))
+                        else:
+                            md_finish_(p, prep, self.state[p], hp, base, r)
+                    continue
+                r, blocks = self.reducer_for(params[0]), self._param_blocks(params[0], hp)[0]
+                prep = md_batched.prepare(params, slab, hp, base, r, blocks)
+                if base.orthogonalizes:
+                    stacks.append((params, slab, hp, base, r, prep))
+                else:
+                    md_batched.finish_(params, prep, slab, hp, base, r)
+        requests = [(p, hp, prep.blocks_to_orthogonalize()) for p, hp, _, _, prep in waiting]
+        for params, _, hp, _, _, prep in stacks:
+            parts = [md_batched.stacked_block(prep.direction, b) for b in prep.blocks]
+            requests += [(p, hp, [(part[i], b.shape) for part, b in zip(parts, prep.blocks)])
+                         for i, p in enumerate(params)]
+        done = self.orthogonalize_all(requests)
         for (p, hp, base, r, prep), orth in zip(waiting, done):
             md_finish_(p, prep, self.state[p], hp, base, r, orth)
+        done = done[len(waiting):]
+        for params, slab, hp, base, r, prep in stacks:
+            outs, done = done[:len(params)], done[len(params):]
+            md_batched.finish_(params, prep, slab, hp, base, r, md_batched.stack_outputs(outs, len(prep.blocks)))
         return loss
+
+    def _slab(self, key: tuple, params: list[torch.Tensor]) -> "md_batched.Slab | None":
+        """The bucket's stacked state, rebuilt when anything outside the step replaced or wrote it."""
+        states = [self.state[p] for p in params]
+        slab = self._slabs.get(key)
+        if slab is not None and slab.valid(params, states):
+            return slab
+        self._slabs.pop(key, None)
+        if not md_batched.Slab.compatible(states):
+            return None
+        slab = md_batched.Slab(params, states)
+        if not md_batched.counters_equal(slab):
+            return None
+        self._slabs[key] = slab
+        return slab
 
     # --- inspection ----------------------------------------------------------------------------
     def _hp_of(self, p: torch.Tensor) -> MDHyperParams:

@@ -3,6 +3,8 @@
 All runs start from one seed checkpoint written with muon_md itself (weights already on their
 spheres), train on the same global batches, and must agree on every logged loss to rel 1e-5:
 that is the MD update (momentum, msign, gains, projection) being TP/EP/PP/DP independent.
+Each reference runs the per-matrix MD step (``--md-per-matrix-step``) and every layout the batched
+one (the default), so the same comparisons check the stacked step against the reference at every layout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 from mdtest import QUIET, run_cli, train_records
 
 pytestmark = pytest.mark.multirank
+PER_MATRIX = "--md-per-matrix-step"
 
 MD = [
     "--optimizer", "muon_md", "--matrix-lr", "0.05", "--lr", "0.01", "--embedding-lr", "0.01",
@@ -42,7 +45,7 @@ def _same(a, b, rel=1e-5):
 def test_dense_tp_pp_dp_and_resume_across_dp_change(tmp_path):
     seed = _seed(tmp_path, "tiny-dense")
     run = ["--model", "tiny-dense", "--pretrained-checkpoint", str(seed), "--train-iters", "4"]
-    ref = _losses(tmp_path, "dp1", 1, *run)
+    ref = _losses(tmp_path, "dp1", 1, *run, PER_MATRIX)
     assert ref[-1] < ref[0]
     for name, nproc, layout in [("tp2", 2, ["--tensor-model-parallel-size", "2"]),
                                 ("pp2", 2, ["--pipeline-model-parallel-size", "2"])]:
@@ -64,7 +67,7 @@ def test_dense_tp_pp_dp_and_resume_across_dp_change(tmp_path):
 def test_moe_expert_parallel(tmp_path):
     seed = _seed(tmp_path, "tiny-moe")
     run = ["--model", "tiny-moe", "--pretrained-checkpoint", str(seed), "--train-iters", "3"]
-    ref = _losses(tmp_path, "moe-dp1", 1, *run)
+    ref = _losses(tmp_path, "moe-dp1", 1, *run, PER_MATRIX)
     _same(_losses(tmp_path, "moe-ep2", 2, *run, "--expert-model-parallel-size", "2"), ref)
 
 
@@ -77,7 +80,7 @@ def test_layer_wise_distributed_optimizer(tmp_path):
     seed = _seed(tmp_path, "tiny-dense")
     run = ["--model", "tiny-dense", "--pretrained-checkpoint", str(seed), "--train-iters", "3", "--bf16",
            "--clip-grad", "0"]
-    ref = _losses(tmp_path, "lw-dp1", 1, *run, "--use-distributed-optimizer")
+    ref = _losses(tmp_path, "lw-dp1", 1, *run, "--use-distributed-optimizer", PER_MATRIX)
     _same(_losses(tmp_path, "lw-dp2", 2, *run, "--use-distributed-optimizer"), ref)
     _same(_losses(tmp_path, "plain-dp1", 1, *run), ref)
 

@@ -1,0 +1,297 @@
+"""The MD step batched over same-shape matrices: every phase of ``md.py``'s ``md_prepare`` / ``md_finish_`` on a
+stack ``[k, m, n]``, so the number of dispatched ops (CUDA launches) per step depends on the number of distinct
+shapes, not on the number of matrices (docs/performance.md, "The optimizer step").
+
+The per-matrix path in ``md.py`` stays the reference; this one computes the same formulas in the same order on
+stacked tensors (equal to fp32 rounding: a reduction over a stacked axis may round differently). It covers the
+configurations users train with — flat / row / column sphere (l2, no ball, whole matrix or Megatron's fused Q/K/V
+blocks), row / column / row+column / flat gains or none under any parametrisation, and the Muon, Adam and Lion
+bases; anything else (Sinkhorn, spectral and orthogonal spheres, per-head blocks, low-rank or per-block gains, the
+tangent gradient, the normalised update, SOAP, AdEMAMix, normalised momentum) takes the per-matrix path.
+
+The matrices' optimizer state lives in one stacked tensor per key (a ``Slab``); ``state[p][key]`` is a view of
+its row, so checkpoints see ordinary per-matrix state. A slab notices when anything outside the step replaced or
+wrote its tensors (a checkpoint load) and is rebuilt from ``state``: the step counters are read back to the host
+only then, so a steady-state step makes no device→host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .adam import COMPILE_MIN_ELEMENTS, adam_, adam_denominator, adam_moments_, adam_moments_and_denominator, \
+    adam_step_size
+from .bases import AdamBase, BaseUpdate, LionBase, MuonBase, sign_scale
+from .blocks import Block
+from .gains import DIRECTION_CLAMP, gain_param, rho_floor
+from .md import MDHyperParams
+from .msign import scale_factor
+from .sphere import _NORM_FLOOR, Reducer, flat_radius
+
+BATCHED_BASES = (MuonBase, AdamBase, LionBase)
+COUNTERS = ("gain_step", "step")  # 0-dim step counters: mirrored on the host, read back only on a rebuild
+
+
+def batchable(state: dict, hp: MDHyperParams, base: BaseUpdate, blocks: Sequence[Block],
+              sphere_blocks: Sequence[Block]) -> bool:
+    """True when the batched path computes this matrix's step (else ``md.py``'s per-matrix one)."""
+    if type(base) not in BATCHED_BASES or hp.tangent_grad or hp.normalize_update or hp.split_qkv_gains:
+        return False
+    if hp.gains_mode not in ("rowcol", "row", "col", "flat", "none") or "rho_lowrank_a" in state:
+        return False
+    if list(blocks) != list(sphere_blocks) or not hp.geometry.plain(blocks):
+        return False
+    whole = len(blocks) == 1 and blocks[0].rows is None
+    if not whole and not all(b.grouped is not None for b in blocks):
+        return False
+    return whole or hp.sphere_mode in ("flat", "row")  # column norms per Q/K/V block: per matrix
+
+
+def bucket_key(p: torch.Tensor, blocks: Sequence[Block], reducer: Reducer) -> tuple:
+    """Matrices that can share a stack: same shape, dtypes, device, blocks and reduction group."""
+    layout = tuple(b.grouped for b in blocks)
+    return (tuple(p.shape), p.dtype, p.grad.dtype, p.device, layout, type(reducer),
+            id(getattr(reducer, "group", None)), getattr(reducer, "dim", None))
+
+
+class Slab:
+    """The state of a bucket's matrices stacked per key; ``state[p][key]`` are views of its rows."""
+
+    def __init__(self, params: list[torch.Tensor], states: list[dict]):
+        self.params = list(params)
+        self.data = {key: torch.stack([s[key] for s in states]) for key in states[0]}
+        for i, s in enumerate(states):
+            for key, stacked in self.data.items():
+                s[key] = stacked[i]
+        self.views = {key: [s[key] for s in states] for key in self.data}
+        # one device->host read per counter, here only: the step then keeps host copies
+        self.steps = {key: self.data[key].tolist() for key in COUNTERS if key in self.data}
+        self.stamp()
+
+    @staticmethod
+    def compatible(states: list[dict]) -> bool:
+        first = states[0]
+        if not first or any(not isinstance(v, torch.Tensor) for v in first.values()):
+            return False
+        sig = {k: (v.shape, v.dtype, v.device) for k, v in first.items()}
+        return all({k: (v.shape, v.dtype, v.device) for k, v in s.items() if isinstance(v, torch.Tensor)} == sig
+                   and len(s) == len(first) for s in states[1:])
+
+    def stamp(self) -> None:
+        self.versions = {key: t._version for key, t in self.data.items()}
+
+    def valid(self, params: list[torch.Tensor], states: list[dict]) -> bool:
+        """Still the state: same matrices, every entry our view, nothing written since our last step."""
+        if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
+            return False
+        for key, views in self.views.items():
+            if self.data[key]._version != self.versions[key]:
+                return False
+            if any(s.get(key) is not v for s, v in zip(states, views)) or any(len(s) != len(self.data) for s in states):
+                return False
+        return True
+
+    def step_of(self, key: str) -> int | float | None:
+        """The bucket's counter (all matrices of a bucket step together), or None when they differ."""
+        values = self.steps.get(key)
+        return None if not values or any(v != values[0] for v in values) else values[0]
+
+    def advance(self, key: str) -> int | float:
+        self.data[key].add_(1)
+        self.steps[key] = [v + 1 for v in self.steps[key]]
+        return self.steps[key][0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stacked blocks: Megatron's fused Q/K/V rows as strided views of [k, m, n]
+
+
+def _grouped(t: torch.Tensor, blk: Block) -> torch.Tensor:
+    per, off, cnt = blk.grouped
+    return t.view(t.shape[0], t.shape[1] // per, per, *t.shape[2:])[:, :, off:off + cnt]
+
+
+def stacked_block(t: torch.Tensor, blk: Block) -> torch.Tensor:
+    """The block of every matrix of the stack, ``[k, rows, n]`` (a copy for a Q/K/V block)."""
+    return t if blk.rows is None else _grouped(t, blk).reshape(t.shape[0], -1, t.shape[-1])
+
+
+def add_stacked_block_(t: torch.Tensor, blk: Block, value: torch.Tensor, alpha: float) -> None:
+    if blk.rows is None:
+        t.add_(value, alpha=alpha)
+    else:
+        view = _grouped(t, blk)
+        view.add_(value.view(view.shape), alpha=alpha)
+
+
+def sphere_scale_stacked(W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer,
+                         radius_scale: float) -> torch.Tensor:
+    """``sphere.blocks_sphere_scale`` of each matrix of the stack: ``[k, 1, 1]`` (flat), ``[k, m, 1]`` (row, or
+    flat per Q/K/V block) or ``[k, 1, n]`` (column)."""
+    if mode == "col":
+        sq = reducer.complete(W.square().sum(dim=-2, keepdim=True), "rows")
+        return sq.sqrt_().clamp_min_(_NORM_FLOOR).reciprocal_()
+    rows_sq = torch.linalg.vector_norm(W, dim=-1, keepdim=True).square_()  # [k, m, 1]
+    if mode == "row":
+        sq = reducer.complete(rows_sq, "cols")
+        return sq.sqrt_().clamp_min_(_NORM_FLOOR).reciprocal_()
+    if len(blocks) == 1 and blocks[0].rows is None:
+        sq = reducer.complete(rows_sq.sum(dim=-2, keepdim=True), "all")
+        return (radius_scale * flat_radius(blocks[0].shape)) / sq.sqrt().clamp_min(_NORM_FLOOR)
+    out = torch.empty_like(rows_sq)
+    for blk in blocks:
+        sq = reducer.complete(_grouped(rows_sq, blk).sum(dim=(1, 2, 3)), "all")
+        view = _grouped(out, blk)
+        factor = (radius_scale * flat_radius(blk.shape)) / sq.sqrt().clamp_min(_NORM_FLOOR)
+        view.copy_(factor.view(-1, 1, 1, 1).expand(view.shape))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The phases
+
+
+@dataclass
+class BatchedPrepared:
+    """A bucket between the phases (``md.MDPrepared`` for a stack)."""
+
+    W: torch.Tensor  # [k, m, n] fp32: the fused weights (a view of the parameter when k = 1 and fp32)
+    W_is_param: bool
+    direction: torch.Tensor
+    gain_grads: dict[str, torch.Tensor]
+    blocks: list[Block]
+
+
+def _gains(slab: Slab, hp: MDHyperParams) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(row factor ``[k, m, 1]`` or flat ``[k, 1, 1]``, column factor ``[k, 1, n]``), None where absent."""
+    gp, d = gain_param(hp.gain_param), slab.data
+    if "rho_flat" in d:
+        return gp.phi(d["rho_flat"]).unsqueeze(-1), None
+    row = gp.phi(d["rho_row"]).unsqueeze(-1) if "rho_row" in d else None
+    col = gp.phi(d["rho_col"]).unsqueeze(-2) if "rho_col" in d else None
+    return row, col
+
+
+def _times(t: torch.Tensor, row, col, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gains._scaled`` on a stack: ``t * row`` then ``* col`` (None skipped); a new tensor unless ``out``."""
+    factors = [f for f in (row, col) if f is not None]
+    if not factors:
+        return t.clone() if out is None else out.copy_(t)
+    res = torch.mul(t, factors[0], out=out) if out is not None else t * factors[0]
+    return res.mul_(factors[1]) if len(factors) > 1 else res
+
+
+@torch.no_grad()
+def prepare(params: list[torch.Tensor], slab: Slab, hp: MDHyperParams, base: BaseUpdate, reducer: Reducer,
+            blocks: list[Block]) -> BatchedPrepared:
+    """``md.md_prepare`` on a stack: gain gradients with the old gains, Ĝ, and the base direction."""
+    grads = [p.grad for p in params]
+    W_is_param = len(params) == 1 and params[0].dtype == torch.float32
+    W = params[0].unsqueeze(0) if W_is_param else torch.stack(params).to(torch.float32)
+    G = grads[0].unsqueeze(0).to(torch.float32) if len(grads) == 1 else torch.stack(grads).to(torch.float32)
+    row, col = _gains(slab, hp)
+    grads_out, work = {}, None
+    if row is not None or col is not None:
+        work = G * W
+        gp = gain_param(hp.gain_param)
+        if "rho_flat" in slab.data:
+            d = reducer.complete(work.sum(dim=(-2, -1)), "all").unsqueeze(-1).div_(row.view(-1, 1))
+            grads_out["flat"] = d.mul_(gp.phi_prime(slab.data["rho_flat"]))
+        else:
+            if row is not None:
+                d = reducer.complete(work.sum(dim=-1), "cols").div_(row.squeeze(-1))
+                grads_out["row"] = d.mul_(gp.phi_prime(slab.data["rho_row"]))
+            if col is not None:
+                d = reducer.complete(work.sum(dim=-2), "rows").div_(col.squeeze(-2))
+                grads_out["col"] = d.mul_(gp.phi_prime(slab.data["rho_col"]))
+        G_hat = scratch = _times(G, row, col, out=work)
+    else:
+        aliased = len(grads) == 1 and G.data_ptr() == grads[0].data_ptr()
+        G_hat = G.clone() if base.writes_direction_grad and aliased else G
+        scratch = G_hat if G_hat is not G or not aliased else None
+    return BatchedPrepared(W, W_is_param, _direction(G_hat, slab, hp, base, scratch), grads_out, blocks)
+
+
+def _direction(G_hat: torch.Tensor, slab: Slab, hp: MDHyperParams, base: BaseUpdate,
+               scratch: torch.Tensor | None) -> torch.Tensor:
+    d = slab.data
+    if isinstance(base, MuonBase):
+        buf = d["momentum_buffer"]
+        buf.lerp_(G_hat, 1.0 - hp.momentum)
+        return G_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
+    if isinstance(base, LionBase):
+        b1, b2 = hp.lion_betas
+        free = scratch is not None and scratch.data_ptr() != G_hat.data_ptr()
+        u = torch.lerp(d["exp_avg"], G_hat, 1.0 - b1, out=scratch) if free else torch.lerp(d["exp_avg"], G_hat, 1.0 - b1)
+        d["exp_avg"].lerp_(G_hat, 1.0 - b2)
+        return u.sign_()
+    t = slab.advance("step")  # Adam
+    if G_hat[0].numel() >= COMPILE_MIN_ELEMENTS and G_hat.shape[0] == 1:  # the per-matrix kernel's choice
+        return adam_moments_and_denominator(G_hat[0], d["exp_avg"][0], d["exp_avg_sq"][0], t, hp.betas, hp.eps,
+                                            out=None if scratch is None else scratch[0]).unsqueeze(0)
+    adam_moments_(G_hat, d["exp_avg"], d["exp_avg_sq"], *hp.betas)
+    return adam_denominator(d["exp_avg_sq"], t, hp.betas[1], hp.eps, out=scratch)
+
+
+@torch.no_grad()
+def finish_(params: list[torch.Tensor], prep: BatchedPrepared, slab: Slab, hp: MDHyperParams, base: BaseUpdate,
+            reducer: Reducer, orthogonalized: Sequence[torch.Tensor] | None = None) -> None:
+    """``md.md_finish_`` on a stack: the direction step (``orthogonalized``: each block's msign, stacked), the
+    sphere, Adam on the raw gains, and the re-fused weights written into the parameters."""
+    clamp = not hp.gains_no_clamp
+    row, col = _gains(slab, hp)
+    inv = [None if g is None else (g.clamp_min(DIRECTION_CLAMP) if clamp else g).reciprocal() for g in (row, col)]
+    # Ŵ recovered in place: W is the stack (or, alone and fp32, the parameter), rewritten at the end anyway
+    W_hat = prep.W if row is None and col is None else _times(prep.W, *inv, out=prep.W)
+    if hp.weight_decay:
+        W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
+    d = slab.data
+    if isinstance(base, MuonBase):
+        for blk, O in zip(prep.blocks, orthogonalized):
+            add_stacked_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
+    elif isinstance(base, LionBase):
+        for blk in prep.blocks:
+            add_stacked_block_(W_hat, blk, stacked_block(prep.direction, blk), -hp.lr * sign_scale(blk.shape))
+    else:  # Adam: the step counter was advanced in prepare
+        t = slab.steps["step"][0]
+        W_hat.addcdiv_(d["exp_avg"], prep.direction, value=-hp.lr * adam_step_size(t, hp.betas))
+    scale = sphere_scale_stacked(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
+
+    if prep.gain_grads:
+        step = slab.advance("gain_step")
+        floor = rho_floor(hp)
+        for axis, g in prep.gain_grads.items():
+            rho = d[f"rho_{axis}"]
+            adam_(rho, g, d[f"exp_avg_{axis}"], d[f"exp_avg_sq_{axis}"], step, hp.gains_lr, hp.gains_betas,
+                  hp.gains_eps, hp.effective_gains_weight_decay, bias_correction=hp.gains_bias_correction)
+            if floor is not None:
+                rho.clamp_min_(floor)
+        row, col = _gains(slab, hp)
+
+    # sphere and new gains in one write, as md_finish_: a scalar or row factor joins the row gains (or the column
+    # gains when there are no row gains), a column factor the column gains
+    if scale.shape[-1] != 1:
+        col = scale if col is None else scale * col
+    elif scale.shape[-2] != 1 or row is not None:
+        row = scale if row is None else scale * row
+    elif col is not None:
+        col = col * scale
+    else:
+        row = scale
+    res = _times(W_hat, row, col, out=W_hat) if row is not None or col is not None else W_hat
+    if not prep.W_is_param:
+        torch._foreach_copy_(params, list(res.unbind(0)))
+    slab.stamp()
+
+
+def stack_outputs(outputs: list[list[torch.Tensor]], nblocks: int) -> list[torch.Tensor]:
+    """Per matrix, per block msign outputs -> per block, one ``[k, rows, n]`` stack."""
+    return [torch.stack([o[b] for o in outputs]) for b in range(nblocks)]
+
+
+def counters_equal(slab: Slab) -> bool:
+    return all(slab.step_of(k) is not None for k in COUNTERS if k in slab.steps)
+
