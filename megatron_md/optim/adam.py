@@ -91,6 +91,27 @@ def adam_(
     theta.sub_(adam_direction(grad, exp_avg, exp_avg_sq, step, betas, eps), alpha=lr)
 
 
+def adam_foreach_(
+    thetas: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+    step: int | float, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.0,
+    bias_correction: bool = True,
+) -> None:
+    """``adam_`` on lists of tensors with one foreach op per stage: the same elementwise arithmetic in the same
+    order, so every element equals ``adam_``'s bit for bit, in a number of launches independent of the list."""
+    b1, b2 = betas
+    if weight_decay:
+        torch._foreach_mul_(thetas, 1.0 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - b1)
+    torch._foreach_mul_(exp_avg_sqs, b2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - b2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, eps if not bias_correction else eps * math.sqrt(1.0 - b2**step))
+    update = torch._foreach_div(exp_avgs, denom)
+    if bias_correction:
+        torch._foreach_mul_(update, adam_step_size(step, betas))
+    torch._foreach_sub_(thetas, update, alpha=lr)
+
+
 def adam_step_size(step: int | float, betas: tuple[float, float]) -> float:
     """The factor ``sqrt(1-β2^t)/(1-β1^t)`` that multiplies ``m / adam_denominator``."""
     return math.sqrt(1.0 - betas[1] ** step) / (1.0 - betas[0] ** step)

@@ -22,8 +22,14 @@ from typing import Sequence
 
 import torch
 
-from .adam import COMPILE_MIN_ELEMENTS, adam_, adam_denominator, adam_moments_, adam_moments_and_denominator, \
-    adam_step_size
+from .adam import (
+    COMPILE_MIN_ELEMENTS,
+    adam_denominator,
+    adam_foreach_,
+    adam_moments_,
+    adam_moments_and_denominator,
+    adam_step_size,
+)
 from .bases import AdamBase, BaseUpdate, LionBase, MuonBase, sign_scale
 from .blocks import Block
 from .gains import DIRECTION_CLAMP, gain_param, rho_floor
@@ -163,6 +169,8 @@ class BatchedPrepared:
     direction: torch.Tensor
     gain_grads: dict[str, torch.Tensor]
     blocks: list[Block]
+    gains: tuple[torch.Tensor | None, torch.Tensor | None]  # the gains before the step
+    scale: torch.Tensor | None = None  # the sphere's factor of the stepped Ŵ (in W), once ``descend_`` ran
 
 
 def _gains(slab: Slab, hp: MDHyperParams) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -193,7 +201,7 @@ def prepare(params: list[torch.Tensor], slab: Slab, hp: MDHyperParams, base: Bas
     W = params[0].unsqueeze(0) if W_is_param else torch.stack(params).to(torch.float32)
     G = grads[0].unsqueeze(0).to(torch.float32) if len(grads) == 1 else torch.stack(grads).to(torch.float32)
     row, col = _gains(slab, hp)
-    grads_out, work = {}, None
+    grads_out = {}
     if row is not None or col is not None:
         work = G * W
         gp = gain_param(hp.gain_param)
@@ -212,7 +220,7 @@ def prepare(params: list[torch.Tensor], slab: Slab, hp: MDHyperParams, base: Bas
         aliased = len(grads) == 1 and G.data_ptr() == grads[0].data_ptr()
         G_hat = G.clone() if base.writes_direction_grad and aliased else G
         scratch = G_hat if G_hat is not G or not aliased else None
-    return BatchedPrepared(W, W_is_param, _direction(G_hat, slab, hp, base, scratch), grads_out, blocks)
+    return BatchedPrepared(W, W_is_param, _direction(G_hat, slab, hp, base, scratch), grads_out, blocks, (row, col))
 
 
 def _direction(G_hat: torch.Tensor, slab: Slab, hp: MDHyperParams, base: BaseUpdate,
@@ -237,18 +245,19 @@ def _direction(G_hat: torch.Tensor, slab: Slab, hp: MDHyperParams, base: BaseUpd
 
 
 @torch.no_grad()
-def finish_(params: list[torch.Tensor], prep: BatchedPrepared, slab: Slab, hp: MDHyperParams, base: BaseUpdate,
-            reducer: Reducer, orthogonalized: Sequence[torch.Tensor] | None = None) -> None:
-    """``md.md_finish_`` on a stack: the direction step (``orthogonalized``: each block's msign, stacked), the
-    sphere, Adam on the raw gains, and the re-fused weights written into the parameters."""
-    clamp = not hp.gains_no_clamp
-    row, col = _gains(slab, hp)
-    inv = [None if g is None else (g.clamp_min(DIRECTION_CLAMP) if clamp else g).reciprocal() for g in (row, col)]
-    # Ŵ recovered in place: W is the stack (or, alone and fp32, the parameter), rewritten at the end anyway
-    W_hat = prep.W if row is None and col is None else _times(prep.W, *inv, out=prep.W)
+def descend_(prep: BatchedPrepared, slab: Slab, hp: MDHyperParams, base: BaseUpdate, reducer: Reducer,
+             orthogonalized: Sequence[torch.Tensor] | None = None) -> None:
+    """``md.md_finish_``'s first half on a stack: Ŵ recovered (in ``prep.W``), stepped by the base update
+    (``orthogonalized``: each block's msign, stacked), and the sphere's factor of the result in ``prep.scale``."""
+    # Ŵ = W ⊘ (γ_r γ_cᵀ) recovered in place: W is the stack (or, alone and fp32, the parameter), rewritten at
+    # the end anyway. A division per gain axis (gains.recover_direction multiplies by reciprocals: one rounding
+    # apart, two ops fewer)
+    W_hat = prep.W
+    for g in prep.gains:
+        if g is not None:
+            W_hat.div_(g.clamp_min(DIRECTION_CLAMP) if not hp.gains_no_clamp else g)
     if hp.weight_decay:
         W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
-    d = slab.data
     if isinstance(base, MuonBase):
         for blk, O in zip(prep.blocks, orthogonalized):
             add_stacked_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
@@ -256,23 +265,38 @@ def finish_(params: list[torch.Tensor], prep: BatchedPrepared, slab: Slab, hp: M
         for blk in prep.blocks:
             add_stacked_block_(W_hat, blk, stacked_block(prep.direction, blk), -hp.lr * sign_scale(blk.shape))
     else:  # Adam: the step counter was advanced in prepare
-        t = slab.steps["step"][0]
-        W_hat.addcdiv_(d["exp_avg"], prep.direction, value=-hp.lr * adam_step_size(t, hp.betas))
-    scale = sphere_scale_stacked(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
+        W_hat.addcdiv_(slab.data["exp_avg"], prep.direction, value=-hp.lr * adam_step_size(slab.steps["step"][0], hp.betas))
+    prep.scale = sphere_scale_stacked(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
 
-    if prep.gain_grads:
+
+@torch.no_grad()
+def update_gains_(buckets: Sequence[tuple[Slab, MDHyperParams, BatchedPrepared]]) -> None:
+    """Adam on the raw gains of every bucket: one set of foreach ops per distinct set of Adam settings (the same
+    elementwise arithmetic as ``adam.adam_``, so each gain equals the per-matrix step's bit for bit)."""
+    jobs: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
+    for slab, hp, prep in buckets:
+        if not prep.gain_grads:
+            continue
         step = slab.advance("gain_step")
-        floor = rho_floor(hp)
-        for axis, g in prep.gain_grads.items():
-            rho = d[f"rho_{axis}"]
-            adam_(rho, g, d[f"exp_avg_{axis}"], d[f"exp_avg_sq_{axis}"], step, hp.gains_lr, hp.gains_betas,
-                  hp.gains_eps, hp.effective_gains_weight_decay, bias_correction=hp.gains_bias_correction)
-            if floor is not None:
-                rho.clamp_min_(floor)
-        row, col = _gains(slab, hp)
+        key = (step, hp.gains_lr, tuple(hp.gains_betas), hp.gains_eps, hp.effective_gains_weight_decay,
+               hp.gains_bias_correction, rho_floor(hp))
+        d = slab.data
+        jobs.setdefault(key, []).extend(
+            (d[f"rho_{a}"], g, d[f"exp_avg_{a}"], d[f"exp_avg_sq_{a}"]) for a, g in prep.gain_grads.items())
+    for (step, lr, betas, eps, wd, bias_correction, floor), items in jobs.items():
+        rho, grad, m, v = (list(x) for x in zip(*items))
+        adam_foreach_(rho, grad, m, v, step, lr, betas, eps, wd, bias_correction)
+        if floor is not None:
+            torch._foreach_clamp_min_(rho, floor)
 
-    # sphere and new gains in one write, as md_finish_: a scalar or row factor joins the row gains (or the column
-    # gains when there are no row gains), a column factor the column gains
+
+@torch.no_grad()
+def write_(params: list[torch.Tensor], prep: BatchedPrepared, slab: Slab, hp: MDHyperParams) -> None:
+    """``md.md_finish_``'s end on a stack: sphere and new gains in one write into the parameters."""
+    row, col = _gains(slab, hp) if prep.gain_grads else prep.gains
+    scale = prep.scale
+    # as md_finish_: a scalar or row factor joins the row gains (or the column gains when there are no row
+    # gains), a column factor the column gains
     if scale.shape[-1] != 1:
         col = scale if col is None else scale * col
     elif scale.shape[-2] != 1 or row is not None:
@@ -281,17 +305,32 @@ def finish_(params: list[torch.Tensor], prep: BatchedPrepared, slab: Slab, hp: M
         col = col * scale
     else:
         row = scale
-    res = _times(W_hat, row, col, out=W_hat) if row is not None or col is not None else W_hat
+    res = _times(prep.W, row, col, out=prep.W)
     if not prep.W_is_param:
         torch._foreach_copy_(params, list(res.unbind(0)))
     slab.stamp()
 
 
 def stack_outputs(outputs: list[list[torch.Tensor]], nblocks: int) -> list[torch.Tensor]:
-    """Per matrix, per block msign outputs -> per block, one ``[k, rows, n]`` stack."""
-    return [torch.stack([o[b] for o in outputs]) for b in range(nblocks)]
+    """Per matrix, per block msign outputs -> per block, one ``[k, rows, n]`` stack: a view when the engine's
+    outputs already are consecutive entries of one batch (its usual case), else a copy."""
+    out = []
+    for parts in ([o[b] for o in outputs] for b in range(nblocks)):
+        view = _consecutive(parts)
+        out.append(torch.stack(parts) if view is None else view)
+    return out
+
+
+def _consecutive(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    base, first = parts[0]._base, parts[0]
+    if base is None or base.ndim != 3 or tuple(base.shape[1:]) != tuple(first.shape) or not base.is_contiguous():
+        return None
+    size, start = first.numel(), first.storage_offset() - base.storage_offset()
+    if start % size or any(p._base is not base or p.storage_offset() - base.storage_offset() != start + i * size
+                           or p.stride() != first.stride() for i, p in enumerate(parts)):
+        return None
+    return base[start // size:start // size + len(parts)]
 
 
 def counters_equal(slab: Slab) -> bool:
     return all(slab.step_of(k) is not None for k in COUNTERS if k in slab.steps)
-

@@ -173,23 +173,27 @@ class MDOptimizer(torch.optim.Optimizer):
                             md_finish_(p, prep, self.state[p], hp, base, r)
                     continue
                 r, blocks = self.reducer_for(params[0]), self._param_blocks(params[0], hp)[0]
-                prep = md_batched.prepare(params, slab, hp, base, r, blocks)
-                if base.orthogonalizes:
-                    stacks.append((params, slab, hp, base, r, prep))
-                else:
-                    md_batched.finish_(params, prep, slab, hp, base, r)
+                stacks.append((params, slab, hp, base, r, md_batched.prepare(params, slab, hp, base, r, blocks)))
         requests = [(p, hp, prep.blocks_to_orthogonalize()) for p, hp, _, _, prep in waiting]
-        for params, _, hp, _, _, prep in stacks:
-            parts = [md_batched.stacked_block(prep.direction, b) for b in prep.blocks]
-            requests += [(p, hp, [(part[i], b.shape) for part, b in zip(parts, prep.blocks)])
-                         for i, p in enumerate(params)]
+        for params, _, hp, base, _, prep in stacks:
+            if base.orthogonalizes:
+                parts = [md_batched.stacked_block(prep.direction, b) for b in prep.blocks]
+                requests += [(p, hp, [(part[i], b.shape) for part, b in zip(parts, prep.blocks)])
+                             for i, p in enumerate(params)]
         done = self.orthogonalize_all(requests)
         for (p, hp, base, r, prep), orth in zip(waiting, done):
             md_finish_(p, prep, self.state[p], hp, base, r, orth)
         done = done[len(waiting):]
         for params, slab, hp, base, r, prep in stacks:
-            outs, done = done[:len(params)], done[len(params):]
-            md_batched.finish_(params, prep, slab, hp, base, r, md_batched.stack_outputs(outs, len(prep.blocks)))
+            orth = None
+            if base.orthogonalizes:
+                outs, done = done[:len(params)], done[len(params):]
+                orth = md_batched.stack_outputs(outs, len(prep.blocks))
+            md_batched.descend_(prep, slab, hp, base, r, orth)
+        # the gains' Adam of every stack together, then each stack's one write into its parameters
+        md_batched.update_gains_([(slab, hp, prep) for _, slab, hp, _, _, prep in stacks])
+        for params, slab, hp, _, _, prep in stacks:
+            md_batched.write_(params, prep, slab, hp)
         return loss
 
     def _slab(self, key: tuple, params: list[torch.Tensor]) -> "md_batched.Slab | None":
