@@ -1,7 +1,8 @@
 """Multi-rank probe: the orthogonalisation engine against the duplicated path, on megatron's real stack.
 
 Run under torchrun (``tests/parallel/test_engine_layouts.py``). One process group layout per launch; for
-each mode (duplicated, layer_sharded, layer_sharded per matrix) the same model is built from the same seed,
+each mode (duplicated and layer_sharded per matrix, both with MD's per-matrix step; layer_sharded with the
+batched step) the same model is built from the same seed,
 fed the same gradients for a few optimizer steps, and its parameters compared. Rank 0 prints one line
 ``PROBE {...}``. The ``__main__`` guard matters: megatron's dist-ckpt re-imports the file.
 """
@@ -15,13 +16,14 @@ import json
 import torch
 
 
-def config(args, mode: str, per_matrix: bool):
+def config(args, mode: str, per_matrix: bool, step_per_matrix: bool = False):
     from megatron_md.training.config import resolve
 
     cli = {"optimizer": args.optimizer, "mock_data": True, "wandb_mode": "disabled", "device": "cpu",
            "seed": 1234, "micro_batch_size": 1, "tensor_model_parallel_size": args.tp,
            "pipeline_model_parallel_size": args.pp, "expert_model_parallel_size": args.ep,
-           "muon_tp_mode": mode, "md_ns_per_matrix": per_matrix, "bf16": args.distopt,
+           "muon_tp_mode": mode, "md_ns_per_matrix": per_matrix, "md_per_matrix_step": step_per_matrix,
+           "bf16": args.distopt,
            "use_distributed_optimizer": args.distopt, "clip_grad": 0.0, "matrix_lr": 0.05}
     if args.tp > 1 and args.model.endswith("moe"):
         cli["sequence_parallel"] = True
@@ -42,11 +44,11 @@ def _seed(name: str, step: int, p) -> int:
     return int(hashlib.sha256(tag.encode()).hexdigest()[:12], 16)
 
 
-def run_mode(args, mode: str, per_matrix: bool) -> tuple[dict, dict]:
+def run_mode(args, mode: str, per_matrix: bool, step_per_matrix: bool = False) -> tuple[dict, dict]:
     from megatron_md.mcore.optimizer_checkpoint import walk
     from megatron_md.training.build import build_optimizer, build_wrapped_model, seed_everything, vocab_size_for
 
-    cfg = config(args, mode, per_matrix)
+    cfg = config(args, mode, per_matrix, step_per_matrix)
     seed_everything(1234)
     model, _ = build_wrapped_model(cfg, vocab_size_for(cfg, None), cpu=True)
     optimizer, _ = build_optimizer(cfg, model)
@@ -87,9 +89,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     setup_parallel(config(args, "duplicated", False))
-    ref, _ = run_mode(args, "duplicated", False)
+    # the reference and the per-matrix engine run MD's per-matrix step too; "batched" is everything batched
+    ref, _ = run_mode(args, "duplicated", False, step_per_matrix=True)
     batched, stats = run_mode(args, "layer_sharded", False)
-    single, stats1 = run_mode(args, "layer_sharded", True)
+    single, stats1 = run_mode(args, "layer_sharded", True, step_per_matrix=True)
 
     def worst(a: dict, b: dict) -> float:
         out = 0.0

@@ -2,8 +2,10 @@
 
 Each case is one torchrun of ``_engine_probe.py``: the same model and gradients stepped with
 ``--muon-tp-mode duplicated`` (every TP rank orthogonalises every matrix), ``layer_sharded`` (the engine,
-batched by shape) and ``layer_sharded --md-ns-per-matrix``. Per-matrix must be bit-identical to duplicated
-(same msign on the same gathered matrix, on another rank); batched may differ by fp32 rounding only.
+batched by shape, with MD's batched step) and ``layer_sharded --md-ns-per-matrix``; the duplicated and
+per-matrix runs take MD's per-matrix step (``--md-per-matrix-step``). Per-matrix must be bit-identical to
+duplicated (same msign on the same gathered matrix, on another rank); batched (the engine's batches and MD's
+stacked phases) may differ by fp32 rounding only.
 """
 
 from __future__ import annotations
