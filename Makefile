@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_md-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all test-slow test-reshard test-multirank params gpu-smoke gpu-bench bench readme records clean-runs
+.PHONY: setup demo test test-all test-slow test-reshard test-multirank params gpu-smoke gpu-bench bench bench-counts readme records clean-runs
 
 setup: $(STAMP)
 
@@ -54,6 +54,11 @@ gpu-bench: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
+
+# Ops and device->host syncs of one optimizer step per preset structure and optimizer (CPU, under a minute);
+# then `make readme` puts benchmarks/results/step_counts_cpu.md's table into docs/performance.md.
+bench-counts: $(STAMP)
+	$(PY) benchmarks/step_counts.py
 
 # Redraw the records' figures and rewrite the generated tables in README.md and docs/ (records/, benchmarks/results/).
 readme: $(STAMP)
