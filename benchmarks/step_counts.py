@@ -96,7 +96,8 @@ class OpCounter:
 
     Rule: every dispatch of an op that is not a view counts once (``func.is_view``: the schema's first
     return aliases an input without writing it — view, reshape-as-view, t, slice, select, split, unbind,
-    detach, alias ...; those launch no kernel). A ``torch._foreach_*`` op is one dispatch. A sync is an op
+    detach, alias ...; those launch no kernel), nor ``profiler::`` ops (``record_function`` annotations such as
+    torch.optim's ``Optimizer.step#AdamW.step``). A ``torch._foreach_*`` op is one dispatch. A sync is an op
     tagged ``torch.Tag.data_dependent_output`` (``aten._local_scalar_dense``: ``.item()``, ``float(t)``,
     ``bool(t)``; ``aten.equal``), plus every call of ``Tensor.tolist``/``numpy``/``cpu``, which on the CPU
     runtime read memory without an aten dispatch and on a GPU copy to the host. Ops tagged
@@ -108,6 +109,7 @@ class OpCounter:
     def __init__(self):
         self.ops: collections.Counter = collections.Counter()
         self.views = 0
+        self.annotations = 0
         self.syncs = 0
         self.dynamic_shape = 0
         self.host_reads = 0
@@ -123,6 +125,9 @@ class OpCounter:
 
         if func.is_view:
             self.views += 1
+            return
+        if func.namespace == "profiler":
+            self.annotations += 1
             return
         self.ops[str(func)] += 1
         if torch.Tag.data_dependent_output in func.tags:
@@ -168,6 +173,7 @@ class OpCounter:
         return {"ops": self.total, "syncs": self.syncs + self.host_reads, "local_scalar_dense":
                 self.ops.get("aten._local_scalar_dense.default", 0), "host_reads": self.host_reads,
                 "dynamic_shape": self.dynamic_shape, "views_skipped": self.views,
+                "annotations_skipped": self.annotations,
                 "collectives": sum(n for k, n in self.ops.items() if k.startswith("c10d.")),
                 "distinct_ops": len(self.ops), "top_ops": [[k, n] for k, n in self.ops.most_common(top)],
                 "by_op": dict(sorted(self.ops.items()))}

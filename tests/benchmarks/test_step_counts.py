@@ -65,6 +65,14 @@ def test_host_reads_count_as_syncs_and_are_restored():
     assert torch.Tensor.tolist is original
 
 
+def test_profiler_annotations_are_not_ops():
+    with counts.OpCounter() as c:
+        with torch.profiler.record_function("annotation"):
+            torch.ones(2).add_(1.0)
+    assert c.summary()["annotations_skipped"] >= 1
+    assert all(not k.startswith("profiler.") for k in c.ops)
+
+
 def test_no_step_no_counts():
     with counts.OpCounter() as c:
         pass
