@@ -48,7 +48,8 @@ params: $(STAMP)
 gpu-smoke: $(STAMP)
 	bash tools/gpu_smoke.sh
 
-# One GPU: throughput, MFU, optimizer-step time, memory, save/resume, MoE -> runs/gpu_bench/gpu_bench.json
+# One GPU: throughput, MFU, optimizer-step time and profile, memory, save/resume, MoE, attention backends
+# -> runs/gpu_bench/gpu_bench.json (PART=1 then PART=2 fit two 10-minute calls; benchmarks/README.md)
 gpu-bench: $(STAMP)
 	bash tools/gpu_bench.sh
 
