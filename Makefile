@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_md-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all test-slow test-reshard test-multirank params gpu-smoke gpu-bench bench readme records clean-runs
+.PHONY: setup demo test test-all test-slow test-reshard test-multirank params gpu-smoke gpu-bench bench bench-counts readme records clean-runs
 
 setup: $(STAMP)
 
@@ -48,12 +48,18 @@ params: $(STAMP)
 gpu-smoke: $(STAMP)
 	bash tools/gpu_smoke.sh
 
-# One GPU: throughput, MFU, optimizer-step time, memory, save/resume, MoE -> runs/gpu_bench/gpu_bench.json
+# One GPU: throughput, MFU, optimizer-step time and profile, memory, save/resume, MoE, attention backends
+# -> runs/gpu_bench/gpu_bench.json (PART=1 then PART=2 fit two 10-minute calls; benchmarks/README.md)
 gpu-bench: $(STAMP)
 	bash tools/gpu_bench.sh
 
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
+
+# Ops and device->host syncs of one optimizer step per preset structure and optimizer (CPU, under a minute);
+# then `make readme` puts benchmarks/results/step_counts_cpu.md's table into docs/performance.md.
+bench-counts: $(STAMP)
+	$(PY) benchmarks/step_counts.py
 
 # Redraw the records' figures and rewrite the generated tables in README.md and docs/ (records/, benchmarks/results/).
 readme: $(STAMP)

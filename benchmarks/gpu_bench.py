@@ -11,7 +11,16 @@ written to the JSON as soon as it ends (a run cut short keeps what finished):
 - ``save_resume``: ``megatron-md train`` three times (2N straight; N then save; resume N more) and the
   resumed losses compared with the straight run's;
 - ``moe_<optimizer>``: a small MoE (``--moe-preset``) with ``--moe-grouped-gemm`` (TE's TEGroupedMLP;
-  without Transformer Engine megatron-core 0.19 builds SequentialMLP: recorded, not hidden).
+  without Transformer Engine megatron-core 0.19 builds SequentialMLP: recorded, not hidden);
+- ``retraction``: the DGram retraction micro-benchmark (``gpu_bench_sections.py``);
+- ``moe_whole``: ``--moe-whole-preset`` (``moe-6.7b``) whole on one device, a few steps at micro-batch 1,
+  peak memory against what ``megatron-md plan`` predicts for the same flags.
+
+Every training section runs once per ``--attention-backends`` entry (``--transformer-impl local
+--attention-backend B``) and ends with a torch.profiler pass over ``--profile-steps`` optimizer steps
+(launches, host syncs, GPU-busy fraction; not in the medians). ``--part 1`` runs the headline sections
+(the GEMM, ``adam`` and ``muon_md`` under each backend), ``--part 2`` the rest, ``--merge`` adds a previous
+part's sections to this run's JSON; ``--dry-run`` prints the sections and their commands without a GPU.
 
 A time guard keeps the whole run inside ``--budget-s``: each section gets a timeout (its cap, less
 what later sections need at least), a training worker stops iterating before its timeout, and
@@ -46,11 +55,15 @@ SCHEMA = 1
 DENSE_OPTIMIZERS = ("adam", "muon", "muon_md", "manifold_muon")
 OPTIMIZER_FLAGS = {"manifold_muon": ["--geometry", "hetero"]}
 # Seconds: (cap, floor). A section's timeout is its cap, cut to leave later sections their floors.
-BUDGET = {"gemm": (45, 20), "train": (90, 45), "save_resume": (150, 90), "moe": (80, 45), "knobs": (60, 30)}
+BUDGET = {"gemm": (45, 20), "train": (90, 45), "save_resume": (150, 90), "moe": (80, 45), "knobs": (60, 30),
+          "retraction": (60, 20), "moe_whole": (240, 150)}
 # Sections run last and only with the time left: no earlier section is cut short to keep their floors. The
-# knobs compare variants against a train_ row; a lost knob row costs less than a train row squeezed to its floor.
-BEST_EFFORT = ("knobs",)
-SECTIONS = ("gemm", "train", "save_resume", "moe", "knobs")
+# knobs compare variants against a train_ row; a lost knob row costs less than a train row squeezed to its floor;
+# save/resume and the small MoE re-measure what the stored run already holds.
+BEST_EFFORT = ("knobs", "save_resume", "moe")
+SECTIONS = ("gemm", "train", "save_resume", "moe", "knobs", "retraction", "moe_whole")
+HEADLINE_OPTIMIZERS = ("adam", "muon_md")  # --part 1: these under each attention backend, and the GEMM
+DEFAULT_BUDGET_S = {"1": 300.0, "2": 480.0, "all": 780.0}
 # ``knobs_<variant>``: --knobs-optimizer on --preset with one of issue 16's GPU knobs changed, against its
 # ``train_`` row: what the default-on CUDA fusions buy, and what recomputation costs in time and saves in memory.
 KNOB_VARIANTS = {
@@ -73,8 +86,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--out", default="runs/gpu_bench/gpu_bench.json", help="results JSON (rewritten after every section)")
     a("--log", help="every section's output (default: gpu_bench.log beside --out)")
     a("--work-dir", help="run directories and the checkpoint (default: a temporary directory, removed)")
-    a("--budget-s", type=float, default=500.0, help="wall-clock budget of all sections together (the knobs get "
-      "what the others leave)")
+    a("--budget-s", type=float, help="wall-clock budget of all sections together (save/resume, the small MoE and "
+      "the knobs get what the others leave; default by --part: "
+      + ", ".join(f"{k} {v:.0f} s" for k, v in DEFAULT_BUDGET_S.items()) + ")")
+    a("--part", choices=sorted(DEFAULT_BUDGET_S), default="all", help="1: the headline sections (GEMM; "
+      + " and ".join(HEADLINE_OPTIMIZERS) + " under each attention backend, with their profiles), about 6 "
+      "minutes; 2: the rest; all: both")
+    a("--merge", help="a previous run's JSON (another --part) whose sections this run's JSON keeps")
+    a("--dry-run", action="store_true", help="print the sections, their timeouts and commands; run nothing "
+      "(no GPU needed)")
+    a("--attention-backends", default="local,sdpa", help="each training section once per --attention-backend "
+      "(with --transformer-impl local); empty: the trainer's default, no flag")
+    a("--profile-steps", type=int, default=2, help="optimizer steps under torch.profiler after each training "
+      "section (0: no profile)")
+    a("--retraction-reps", type=int, default=10)
+    a("--moe-whole-preset", default="moe-6.7b")
+    a("--moe-whole-optimizer", default="muon_md")
+    a("--moe-whole-backend", default="sdpa")
+    a("--moe-whole-seq-length", type=int, default=4096)
+    a("--moe-whole-steps", type=int, default=6)
     a("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
     a("--steps", type=int, default=30, help="training iterations per optimizer, warmup included")
     a("--warmup", type=int, default=5, help="first iterations left out of the medians")
@@ -96,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--peak-tflops", type=float, help="bf16 dense peak to quote MFU against (default: from the device name)")
     a("--allow-cpu", action="store_true", help="testing aid: run the sections on the CPU runtime (fp32); "
       "pair with tiny presets; the numbers are no benchmark")
-    a("--worker", choices=["gemm", "train"], help=argparse.SUPPRESS)
+    a("--worker", choices=["gemm", "train", "retraction"], help=argparse.SUPPRESS)
     a("--spec", help=argparse.SUPPRESS)
     a("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -106,6 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--sections: unknown {bad}; choose from {','.join(SECTIONS)}")
     if args.steps < 2 or not 0 <= args.warmup < args.steps or args.resume_iters < 1:
         ap.error("--steps >= 2, 0 <= --warmup < --steps, --resume-iters >= 1")
+    if args.moe_whole_steps < 2 or args.profile_steps < 0 or args.retraction_reps < 1:
+        ap.error("--moe-whole-steps >= 2, --profile-steps >= 0, --retraction-reps >= 1")
+    if args.budget_s is None:
+        args.budget_s = DEFAULT_BUDGET_S[args.part]
     return args
 
 
@@ -156,14 +190,17 @@ class Bench:
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + args.budget_s
         self.out = Path(args.out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = Path(args.log) if args.log else self.out.with_name("gpu_bench.log")
-        self.log = open(self.log_path, "a", buffering=1)
         self.own_work = args.work_dir is None
-        self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu_bench-"))
-        self.work.mkdir(parents=True, exist_ok=True)
+        if args.dry_run:  # writes nothing
+            self.log, self.work = open(os.devnull, "w"), Path(args.work_dir or tempfile.gettempdir()) / "gpu_bench-dry"
+        else:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.log = open(self.log_path, "a", buffering=1)
+            self.work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu_bench-"))
+            self.work.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen | None = None
-        machine = machine_info(cuda)
+        machine = machine_info(cuda and not args.dry_run)
         peak = args.peak_tflops or (peak_for(machine["device"]) if cuda else None)
         self.result = {
             "benchmark": "gpu_bench", "schema": SCHEMA, "status": "running",
@@ -172,7 +209,8 @@ class Bench:
             "settings": {"budget_s": args.budget_s, "steps": args.steps, "warmup": args.warmup,
                          "precision": "bf16 parameters, fp32 master weights and gradients (megatron DDP)"
                          if cuda else "fp32 (CPU testing aid, not a benchmark)",
-                         "device": "cuda" if cuda else "cpu", "sections": args.sections,
+                         "device": "cuda" if cuda else "cpu", "sections": args.sections, "part": args.part,
+                         "attention_backends": _backends(args), "profile_steps": args.profile_steps,
                          "timing": "torch.cuda.synchronize before and after the iteration, forward+backward "
                                    "and optimizer.step(); tokens/s over the timed iterations' total time; "
                                    "milliseconds are medians over the timed iterations"},
@@ -182,6 +220,21 @@ class Bench:
                       f"for '{machine['device']}'"), "measured_gemm_tflops": None},
             "sections": {},
         }
+        if args.merge:
+            self.merge(Path(args.merge))
+
+    def merge(self, path: Path) -> None:
+        """Keep a previous part's sections (and its measured GEMM peak) in this run's JSON."""
+        prev = json.loads(path.read_text())
+        if prev.get("benchmark") != "gpu_bench":
+            raise SystemExit(f"--merge {path}: not a gpu_bench result")
+        self.result["sections"].update(prev.get("sections", {}))
+        for k in ("measured_gemm_tflops", "measured_gemm"):
+            if prev.get("peak", {}).get(k) is not None:
+                self.result["peak"][k] = prev["peak"][k]
+        self.result["merged_from"] = {"file": path.name, "created": prev.get("created"),
+                                      "part": prev.get("settings", {}).get("part"),
+                                      "sections": sorted(prev.get("sections", {}))}
 
     # -- plumbing
 
@@ -285,14 +338,22 @@ class Bench:
                 "--log-interval", "10", "--eval-iters", "1", "--diagnostics-interval", "0", "--no-progress-bar",
                 "--wandb-mode", "disabled", "--run-dir", str(run_dir), *extra]
 
-    def train(self, name, preset, optimizer, seq, mbs, steps, extra=()):
+    def train(self, name, preset, optimizer, seq, mbs, steps, extra=(), warmup=None, **spec_extra):
         argv = self.train_argv(preset, optimizer, seq, mbs, steps, self.work / name, extra)
+        spec = {"argv": argv, "steps": steps, "warmup": self.args.warmup if warmup is None else warmup,
+                "profile_steps": self.args.profile_steps, **spec_extra}
 
         def fn(timeout):
-            r = self.worker("train", {"argv": argv, "steps": steps, "warmup": self.args.warmup}, timeout)
+            r = self.worker("train", spec, timeout)
             self.add_mfu(r)
             return {"command": "megatron-md train " + " ".join(argv), **r}
+        fn.command, fn.argv = "megatron-md train " + " ".join(argv), argv
         return fn
+
+    def retraction(self, timeout):
+        # dense-181m's fc1 [4096, 512] and fc2 (tall: [2048, 512]), one per layer; small on the CPU testing aid
+        shapes = [[12, 4096, 512], [12, 2048, 512]] if self.cuda else [[2, 64, 16]]
+        return self.worker("retraction", {"shapes": shapes, "reps": self.args.retraction_reps}, timeout)
 
     def add_mfu(self, r: dict) -> None:
         if r.get("status") != "ok":
@@ -378,28 +439,73 @@ class Bench:
 
     # -- the run
 
-    def run(self) -> dict:
+    def trains(self, optimizers) -> list:
+        """One training section per optimizer and attention backend."""
+        a, out = self.args, []
+        for opt in optimizers:
+            for backend in _backends(a) or [None]:
+                name = f"train_{opt}" + (f"_{backend}" if backend else "")
+                flags = ["--transformer-impl", "local", "--attention-backend", backend] if backend else []
+                out.append((name, "train", self.train(name, a.preset, opt, a.seq_length, a.micro_batch_size,
+                                                      a.steps, flags),
+                            {"kind": "train", "preset": a.preset, "optimizer": opt, "attention_backend": backend}))
+        return out
+
+    def plan(self) -> list:
+        """(name, budget kind, fn, meta) of every section of this --part, in the order they run."""
         a = self.args
-        plan = []
+        optimizers = [o for o in a.optimizers.split(",") if o]
+        first = [o for o in optimizers if o in HEADLINE_OPTIMIZERS]
+        part1, part2 = [], []
         if "gemm" in a.sections:
-            plan.append(("gemm", "gemm", self.gemm, {"kind": "gemm"}))
+            part1.append(("gemm", "gemm", self.gemm, {"kind": "gemm"}))
         if "train" in a.sections:
-            for opt in [o for o in a.optimizers.split(",") if o]:
-                plan.append((f"train_{opt}", "train",
-                             self.train(f"train_{opt}", a.preset, opt, a.seq_length, a.micro_batch_size, a.steps),
-                             {"kind": "train", "preset": a.preset, "optimizer": opt}))
+            part1 += self.trains(first)
+            part2 += self.trains([o for o in optimizers if o not in first])
+        if "retraction" in a.sections:
+            part2.append(("retraction", "retraction", self.retraction, {"kind": "retraction"}))
+        if "moe_whole" in a.sections:
+            backend = a.moe_whole_backend
+            fn = self.train("moe_whole", a.moe_whole_preset, a.moe_whole_optimizer, a.moe_whole_seq_length, 1,
+                            a.moe_whole_steps, ["--transformer-impl", "local", "--attention-backend", backend],
+                            warmup=min(2, a.moe_whole_steps - 1), plan=True)
+            part2.append(("moe_whole", "moe_whole", fn, {"kind": "moe_whole", "preset": a.moe_whole_preset,
+                                                          "optimizer": a.moe_whole_optimizer,
+                                                          "attention_backend": backend}))
         if "save_resume" in a.sections:
-            plan.append(("save_resume", "save_resume", self.save_resume, {"kind": "save_resume"}))
+            part2.append(("save_resume", "save_resume", self.save_resume, {"kind": "save_resume"}))
         if "moe" in a.sections:
             for opt in [o for o in a.moe_optimizers.split(",") if o]:
-                plan.append((f"moe_{opt}", "moe", self.moe(f"moe_{opt}", opt),
-                             {"kind": "moe", "preset": a.moe_preset, "optimizer": opt}))
+                part2.append((f"moe_{opt}", "moe", self.moe(f"moe_{opt}", opt),
+                              {"kind": "moe", "preset": a.moe_preset, "optimizer": opt}))
         if "knobs" in a.sections:
             for key, (label, flags) in KNOB_VARIANTS.items():
-                plan.append((f"knobs_{key}", "knobs",
-                             self.train(f"knobs_{key}", a.preset, a.knobs_optimizer, a.seq_length, a.micro_batch_size,
-                                        a.knobs_steps, flags),
-                             {"kind": "train", "preset": a.preset, "optimizer": a.knobs_optimizer, "variant": label}))
+                part2.append((f"knobs_{key}", "knobs",
+                              self.train(f"knobs_{key}", a.preset, a.knobs_optimizer, a.seq_length,
+                                         a.micro_batch_size, a.knobs_steps, flags),
+                              {"kind": "train", "preset": a.preset, "optimizer": a.knobs_optimizer, "variant": label}))
+        return {"1": part1, "2": part2, "all": part1 + part2}[a.part]
+
+    def dry_run(self) -> list[dict]:
+        """What a run would do: each section's name, timeout (from the full budget) and command, and for the
+        whole MoE the memory ``megatron-md plan`` predicts (computed here: it needs no GPU)."""
+        from gpu_bench_sections import planned_memory
+
+        plan, rows = self.plan(), []
+        for i, (name, kind, fn, meta) in enumerate(plan):
+            later = [k for _, k, _, _ in plan[i + 1:]]
+            row = {"name": name, "kind": kind, "timeout_s": self.timeout_for(kind, later),
+                   "best_effort": kind in BEST_EFFORT, "command": getattr(fn, "command", None), **meta}
+            if kind == "moe_whole":
+                try:
+                    row["plan"] = planned_memory(fn.argv)
+                except BaseException as e:  # noqa: BLE001 (argparse exits on an unknown --attention-backend)
+                    row["plan"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            rows.append(row)
+        return rows
+
+    def run(self) -> dict:
+        plan = self.plan()
         try:
             for i, (name, kind, fn, meta) in enumerate(plan):
                 self.section(name, kind, [k for _, k, _, _ in plan[i + 1:]], fn, meta)
@@ -422,6 +528,10 @@ class Bench:
         return self.result
 
 
+def _backends(args) -> list[str]:
+    return [b.strip() for b in (args.attention_backends or "").split(",") if b.strip()]
+
+
 def _renderer():
     spec = importlib.util.spec_from_file_location("render_readme_tables", REPO / "tools" / "render_readme_tables.py")
     mod = importlib.util.module_from_spec(spec)
@@ -433,6 +543,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return run_worker(args)
+    if args.dry_run:
+        rows = Bench(args, cuda=not args.allow_cpu).dry_run()  # the commands a GPU run would spawn
+        for r in rows:
+            extra = f"; plan: {r['plan']}" if "plan" in r else ""
+            print(f"[part {args.part}] {r['name']:<28} {r['kind']:<12} timeout {r['timeout_s']:4.0f} s"
+                  f"{' (best effort)' if r['best_effort'] else ''}{': ' + r['command'] if r['command'] else ''}{extra}")
+        print(f"dry run: {len(rows)} sections in --part {args.part}, budget {args.budget_s:.0f} s; nothing ran")
+        return 0
     import torch
 
     cuda = torch.cuda.is_available()

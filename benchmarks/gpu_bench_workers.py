@@ -9,6 +9,8 @@ import time
 import traceback
 from pathlib import Path
 
+from gpu_bench_sections import planned_memory, profile_optimizer_steps, worker_retraction
+
 FLOPS_FORMULA = (
     "the trainer's (megatron_md.training.observability.throughput.model_flops_per_step, Megatron-LM's "
     "formula): per token 12*L*h^2*((1 + g/a + s/(2h))*(a*d/h) + ffn/h*glu*k + V/(2*L*h)) with g query groups, "
@@ -81,6 +83,12 @@ def worker_train(spec: dict) -> dict:
     from megatron_md.training.trainer import Trainer
 
     t_start = time.perf_counter()
+    plan = None
+    if spec.get("plan"):  # before the run: a prediction, from the flags alone
+        try:
+            plan = planned_memory(spec["argv"])
+        except (Exception, SystemExit) as e:  # noqa: BLE001 (the measurement stands without it)
+            plan = {"error": f"{type(e).__name__}: {e}"[:500]}
     args = vars(train_parser().parse_args(spec["argv"]))
     args.pop("config", None)
     cfg = C.resolve(None, None, args)
@@ -116,8 +124,14 @@ def worker_train(spec: dict) -> dict:
     trainer.forward_backward = timed(fwd_bwd, "fwd_bwd")  # evaluate() goes through it too: not recorded
     trainer.optimizer.step = timed(opt_step, "step")
     trainer.train_step = step_and_record
+    profile = None
     try:
         trainer.train()
+        if spec.get("profile_steps"):  # after the timed run, on its last gradients: not in the medians
+            try:
+                profile = profile_optimizer_steps(opt_step, spec["profile_steps"], cuda)
+            except Exception as e:  # noqa: BLE001 (the section's timings stand without it)
+                profile = {"error": f"{type(e).__name__}: {e}"[:500]}
     finally:
         destroy_distributed()
     if not rows:
@@ -165,13 +179,17 @@ def worker_train(spec: dict) -> dict:
         "logged_last": {k: logged[-1].get(k) for k in ("iteration", "lm_loss", "tokens_per_s", "iter_time_ms")}
         if logged else None,
         "build_s": build_s,
+        "attention_backend": m.attention_backend, "transformer_impl": m.transformer_impl,
+        "profile": profile, "plan": plan,
+        "peak_vs_plan": (torch.cuda.max_memory_allocated() / 2**30 / plan["predicted_gib"])
+        if cuda and plan and "predicted_gib" in plan else None,
     }
 
 
 def run_worker(args) -> int:
     spec = json.loads(args.spec)
     try:
-        result = (worker_gemm if args.worker == "gemm" else worker_train)(spec)
+        result = {"gemm": worker_gemm, "train": worker_train, "retraction": worker_retraction}[args.worker](spec)
     except BaseException as e:  # noqa: BLE001 (recorded, the driver decides)
         result = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:2000],
                   "traceback": traceback.format_exc()[-4000:]}

@@ -147,7 +147,7 @@ def _failure(sec: dict) -> str:
 def gpu_bench_markdown(result: dict, source: str | None = None) -> str:
     """The Markdown for one benchmarks/gpu_bench.py result: settings line, throughput table, GEMM, resume."""
     m, s, peak, secs = result["machine"], result["settings"], result["peak"], result["sections"]
-    runs = [(n, x) for n, x in secs.items() if x.get("kind") in ("train", "moe")]
+    runs = [(n, x) for n, x in secs.items() if x.get("kind") in ("train", "moe", "moe_whole")]
     shapes = []
     for _, x in runs:
         mod = x.get("model")
@@ -191,7 +191,8 @@ def gpu_bench_markdown(result: dict, source: str | None = None) -> str:
     for _, x in runs:
         label = f"`{x.get('preset', '?')}`"
         opt = f"`{x.get('optimizer', '?')}`" + (" (fallback)" if x.get("note") else "") + (
-            f" ({x['variant']})" if x.get("variant") else "")
+            f" ({x['variant']})" if x.get("variant") else "") + (
+            f", {x['attention_backend']} attention" if x.get("attention_backend") else "")
         if x.get("status") != "ok":
             lines.append(f"| {label} | {opt} | {_failure(x)} |  |  |  |  |  |  |  |")
             continue
@@ -204,7 +205,7 @@ def gpu_bench_markdown(result: dict, source: str | None = None) -> str:
     notes += [f"`{n}` stopped early at its time limit ({x['iterations']} iterations)."
               for n, x in runs if x.get("stopped_early")]
     notes += [f"`{n}`: {x['skipped_steps']} steps skipped (non-finite)." for n, x in runs if x.get("skipped_steps")]
-    if any(x.get("moe_grouped_gemm") is False for _, x in runs):
+    if any(x.get("moe_grouped_gemm") is False for _, x in runs if x.get("kind") == "moe"):
         notes.append("MoE grouped GEMM was asked for (`--moe-grouped-gemm`) but is off: megatron-core 0.19 builds "
                      "grouped experts (TEGroupedMLP) only with Transformer Engine, so SequentialMLP ran.")
     sr = secs.get("save_resume")
@@ -225,7 +226,71 @@ def gpu_bench_markdown(result: dict, source: str | None = None) -> str:
         notes.append(what + ".")
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
-    return "\n".join(lines)
+    return "\n".join(lines + gpu_bench_issue30_lines(result))
+
+
+def gpu_bench_issue30_lines(result: dict) -> list[str]:
+    """The sections added by issue 30, each only when the run has it: sdpa against local attention, the
+    optimizer-step profiles, the DGram retraction micro-benchmark, and the whole MoE against the plan."""
+    secs, lines = result["sections"], []
+    ok = {n: x for n, x in secs.items() if x.get("status") == "ok"}
+    pairs = []
+    for n, x in ok.items():
+        if x.get("kind") == "train" and x.get("attention_backend") == "sdpa" and not x.get("variant"):
+            local = next((y for y in ok.values() if y.get("kind") == "train" and y.get("optimizer") == x["optimizer"]
+                          and y.get("attention_backend") == "local" and not y.get("variant")), None)
+            if local:
+                it, mem = (f"{_num(local.get(k), f)} → {_num(x.get(k), f)}" for k, f in
+                           (("iter_ms", ",.1f"), ("peak_memory_gib", ".1f")))
+                pairs.append(f"`{x['optimizer']}` {x['tokens_per_s'] / local['tokens_per_s']:.2f}x tokens/s "
+                             f"({it} ms an iteration, peak {mem} GiB)")
+    if pairs:
+        lines += ["", "SDPA against megatron-core's local attention (same optimizer, same run): "
+                  + "; ".join(pairs) + "."]
+    prof = [(n, x) for n, x in secs.items() if isinstance(x.get("profile"), dict)]
+    if prof:
+        steps = next((x["profile"].get("steps") for _, x in prof if "steps" in x["profile"]), "?")
+        lines += ["", f"Optimizer step under torch.profiler ({steps} steps after the timed run; per step; syncs are "
+                  "host calls that wait for the device: cudaStreamSynchronize, cudaDeviceSynchronize, "
+                  "cudaEventSynchronize, synchronous cudaMemcpy):", "",
+                  "| section | kernel launches | syncs | D2H copies | GPU busy |", "|---|---:|---:|---:|---:|"]
+        for n, x in prof:
+            p = x["profile"]
+            if "error" in p:
+                lines.append(f"| `{n}` | **failed**: {p['error'][:120].replace('|', '/')} |  |  |  |")
+                continue
+            per = p["steps"] or 1
+            lines.append(f"| `{n}` | {p['launches'] / per:,.0f} | {p['syncs'] / per:,.1f} | "
+                         f"{p['memcpy_dtoh'] / per:,.1f} | {_num(p.get('gpu_busy_fraction'), '.0%')} |")
+    r = secs.get("retraction")
+    if r is not None:
+        lines += ["", "DGram retraction (`megatron_md/optim/manifolds.py`; each variant found at run time; fp32 "
+                  f"input, median of {r.get('reps', '?')} calls; off-Gram: max ‖Off(RᵀR)‖/‖RᵀR‖; to exact: "
+                  "relative "
+                  "distance to the fp64-eigh result, which the column-preserving variant differs from by design):"]
+        if r.get("status") != "ok":
+            lines += ["", _failure(r) + "."]
+        else:
+            lines += ["", "| retraction | batch × shape | ms | off-Gram | to exact |", "|---|---|---:|---:|---:|"]
+            for row in r["rows"]:
+                b, m, n_ = row["shape"]
+                if row["status"] != "ok":
+                    lines.append(f"| {row['name']} | {b} × {m}×{n_} | {_failure(row)} |  |  |")
+                    continue
+                lines.append(f"| {row['name']} | {b} × {m}×{n_} | {row['ms']:,.2f} | {row['off_gram_rel']:.1e} | "
+                             f"{_num(row.get('diff_to_exact_rel'), '.1e')} |")
+    w = secs.get("moe_whole")
+    if w is not None and w.get("status") == "ok":
+        plan = w.get("plan") or {}
+        pred = (f"`megatron-md plan` predicted {plan['predicted_gib']:.1f} GiB (recompute {plan['recompute']}, "
+                f"{plan['attention_kernel']} attention): measured/predicted {_num(w.get('peak_vs_plan'), '.2f')}"
+                if "predicted_gib" in plan else f"no plan prediction ({plan.get('error', 'not computed')[:120]})")
+        lines += ["", f"`{w['preset']}` whole on one device (`{w['optimizer']}`, {w.get('attention_backend')} "
+                  f"attention, micro-batch {w['micro_batch_size']} × sequence {w['seq_length']}, {w['iterations']} "
+                  f"iterations): {_num(w['tokens_per_s'], ',.0f')} tokens/s, optimizer step "
+                  f"{_num(w['optimizer_step_ms'], ',.0f')} ms, "
+                  f"peak {_num(w.get('peak_memory_gib'), '.1f')} GiB; {pred}."]
+    return lines
 
 
 def render_gpu_bench(repo: Path) -> str:

@@ -11,7 +11,9 @@ Each generated block sits between two marker lines, in whichever of README.md an
 ``benchmarks/optimizer_step.py`` / ``benchmarks/optimizer_state.py`` (sorted by file name), one table each
 (tables in ``tools/benchmark_tables.py``, as is ``gpu_bench``'s).
 ``ns_engine``: ``benchmarks/results/ns_engine_cpu.json`` from ``benchmarks/ns_engine.py`` (tables in
-``tools/ns_engine_tables.py``). ``gpu_bench``: ``benchmarks/results/gpu_bench_h200.json`` from
+``tools/ns_engine_tables.py``). ``step_counts``: ``benchmarks/results/step_counts_cpu.json`` from
+``benchmarks/step_counts.py`` beside its baseline ``step_counts_cpu_baseline.json`` (tables in
+``tools/step_counts_tables.py``). ``gpu_bench``: ``benchmarks/results/gpu_bench_h200.json`` from
 ``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``plan``:
 ``benchmarks/results/plan_8xh100.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``).
 ``records_*``: the judged ``records/<date>-<kind>/`` of each kind, summarised and judged by
@@ -45,6 +47,7 @@ from benchmark_tables import (  # noqa: E402,F401  (re-exported)
 )
 from ns_engine_tables import ns_engine_markdown, render_ns_engine  # noqa: E402,F401  (re-exported)
 from plan_tables import render_plan  # noqa: E402
+from step_counts_tables import render_step_counts, step_counts_markdown  # noqa: E402,F401  (re-exported)
 
 BEGIN = "<!-- BEGIN {name} -->"
 END = "<!-- END {name} -->"
@@ -236,6 +239,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "optimizer_step": render_optimizer_step,
     "optimizer_state": render_optimizer_state,
     "ns_engine": render_ns_engine,
+    "step_counts": render_step_counts,
     "gpu_bench": render_gpu_bench,
     "plan": render_plan,
     "records_claims": render_claims,
