@@ -4,8 +4,9 @@ megatron-core has no public hook for these; each was read in megatron-core 0.19.
 ``tests/mcore/test_compat.py`` runs every entry's ``check`` against the installed megatron-core, so an
 upgrade that renames or reshapes one fails there, by name, before a run fails somewhere far away.
 Nothing here acts at import: the globals we change are changed by ``install()``, which the model build
-calls, and by ``install_multi_tensor_kernels()``, which the optimizer build calls. The CPU runtime's stand-ins for CUDA (``runtime/cpu.py``) keep their own bridge table; the
-two of them that replace megatron-core private functions are listed here too.
+calls, and by ``install_multi_tensor_kernels()``, which the optimizer build calls. The CPU runtime's
+stand-ins for CUDA (``runtime/cpu.py``) keep their own bridge table; the two of them that replace
+megatron-core private functions are listed here too.
 """
 
 from __future__ import annotations
