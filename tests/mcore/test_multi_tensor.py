@@ -258,3 +258,33 @@ def test_torch_adamw_takes_foreach_and_keeps_its_bits():
     (foreach, ops), (per_tensor, per_tensor_ops) = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(foreach, per_tensor))
     assert ops["_foreach_addcdiv_"] == 2 * 4 and per_tensor_ops["addcdiv_"] == 4 * 4
+
+
+# ----------------------------------------------------------------------------- a short training run
+
+WITHOUT = ("import sys, megatron_md.mcore.multi_tensor as m; m.use_foreach = lambda optimizer: {}; "
+           "from megatron_md.cli import main; sys.exit(main())")
+RUN = ["train", "--model", "tiny-dense", "--optimizer", "adam", "--mock-data", "--train-iters", "6",
+       "--global-batch-size", "2", "--micro-batch-size", "1", "--seq-length", "32", "--log-interval", "1",
+       "--eval-iters", "1", "--clip-grad", "0.5", "--use-distributed-optimizer", "--bf16"]
+
+
+def test_training_run_loses_the_same_with_and_without(tmp_path):
+    """A CPU run (bf16, megatron's distributed Adam, clipping at every step) with the stand-ins and with
+    megatron's fallbacks (``WITHOUT`` undoes the build's install in the CLI process)."""
+    import subprocess
+    import sys
+
+    from mdtest import QUIET, REPO, run_cli, train_records
+
+    run_cli([*RUN, *QUIET, "--run-dir", str(tmp_path / "foreach")])
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", WITHOUT, *RUN, *QUIET, "--run-dir", str(tmp_path / "megatron")],
+                          cwd=REPO, env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ours, theirs = train_records(tmp_path / "foreach"), train_records(tmp_path / "megatron")
+    assert len(ours) == len(theirs) == 6
+    assert all(r["grad_norm"] > 0.5 for r in theirs)  # clipped at every step
+    assert [r["lm_loss"] for r in ours] == [r["lm_loss"] for r in theirs]
+    for a, b in zip(ours, theirs):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=FP32_ULP), (a, b)
