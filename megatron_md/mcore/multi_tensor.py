@@ -12,7 +12,7 @@ for CUDA tensors only). At dense-181m's 99 tensors that was 1,248 ops per Adam s
   read), ``scale`` and ``scale_by_tensor``. Providing the tensor-scaled kernel makes megatron keep the grad norm
   a device tensor and clip by a device coefficient: the path it takes with Transformer Engine. The trainer
   reads the norm as a float only when it logs;
-- ``batched_copies`` around each wrapped optimizer's main->model param copy: megatron's own loop runs, its
+- ``BatchedCopies`` around each wrapped optimizer's main->model param copy: megatron's own loop runs, its
   ``copy_`` calls are collected and done in one ``_foreach_copy_``;
 - ``foreach=True`` in torch Adam/AdamW param groups that left it to torch's default (same bits, tested).
 
@@ -68,7 +68,7 @@ def scale_by_tensor(chunk_size, noop_flag, tensor_lists, factor: torch.Tensor):
         torch._foreach_copy_(dst, torch._foreach_mul(src, factor))
 
 
-class batched_copies(TorchFunctionMode):
+class BatchedCopies(TorchFunctionMode):
     """Collect ``Tensor.copy_`` calls and run them at exit as one ``torch._foreach_copy_``.
 
     Only for code whose copies are independent (no copy reads what an earlier one wrote): megatron's
@@ -98,7 +98,7 @@ class batched_copies(TorchFunctionMode):
 
 def _batched(copy_main_params_to_model_params):
     def copy():
-        with batched_copies():
+        with BatchedCopies():
             copy_main_params_to_model_params()
     return copy
 

@@ -143,7 +143,7 @@ def test_clipping_within_fp32_rounding_and_untouched_below_the_limit(mcore_world
 def test_batched_copies_are_one_foreach_copy():
     src = _tensors(4, [torch.float32])
     dst = [torch.zeros_like(t, dtype=torch.bfloat16) for t in src]
-    with Counting() as c, multi_tensor.batched_copies():
+    with Counting() as c, multi_tensor.BatchedCopies():
         for d, s in zip(dst, src):
             d.copy_(s)
         assert all(float(d.abs().sum()) == 0.0 for d in dst)  # not yet: collected
