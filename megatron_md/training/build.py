@@ -180,6 +180,9 @@ def build_optimizer_and_hooks(cfg: RunConfig, ddp_model):
         muon_fp32_matmul_prec=ns_matmul_precision(o.muon.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
     )
     optimizer, hooks = family.build(cfg, common, ddp_model)
+    from megatron_md.mcore import multi_tensor
+
+    multi_tensor.use_foreach(optimizer)  # megatron's per-tensor fallbacks -> foreach (mcore/multi_tensor.py)
     gbs = global_batch_size(cfg)
     decay_iters = max(o.lr_decay_iters or t.train_iters, 1)
     scheduler = OptimizerParamScheduler(

@@ -85,13 +85,15 @@ def test_importing_megatron_md_changes_no_megatron_global():
 import copy, importlib, pkgutil
 import megatron.core.tensor_parallel.layers as layers
 import megatron.core.optimizer.emerging_optimizers as eo
-before = (copy.copy(layers._MODEL_PARALLEL_ATTRIBUTE_DEFAULTS), set(eo._EMERGING_OPTIMIZERS))
+import megatron.core.optimizer.clip_grads as cg
+kernels = lambda: (cg.l2_norm_impl, cg.multi_tensor_scale_impl, cg.multi_tensor_scale_tensor_impl)
+before = (copy.copy(layers._MODEL_PARALLEL_ATTRIBUTE_DEFAULTS), set(eo._EMERGING_OPTIMIZERS), kernels())
 import megatron_md
 for m in pkgutil.walk_packages(megatron_md.__path__, "megatron_md."):
     if m.name.endswith("__main__"):
         continue
     importlib.import_module(m.name)
-after = (layers._MODEL_PARALLEL_ATTRIBUTE_DEFAULTS, set(eo._EMERGING_OPTIMIZERS))
+after = (layers._MODEL_PARALLEL_ATTRIBUTE_DEFAULTS, set(eo._EMERGING_OPTIMIZERS), kernels())
 print("same" if before == after else f"changed: {before} -> {after}")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -105,3 +107,32 @@ def test_install_adds_our_param_attributes_once():
     compat.install()
     for attr, default in compat.PARAM_ATTRIBUTES.items():
         assert attr in defaults and defaults[attr] == default
+
+
+def test_kernel_install_is_explicit_idempotent_and_undone():
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_md.mcore import multi_tensor
+
+    ours = (multi_tensor.l2_norm, multi_tensor.scale, multi_tensor.scale_by_tensor)
+    compat.restore_multi_tensor_kernels()
+    try:
+        assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm  # this install has neither Apex nor TE
+        assert compat.install_multi_tensor_kernels(*ours) and compat.install_multi_tensor_kernels(*ours)
+        assert (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,
+                clip_grads.multi_tensor_scale_tensor_impl) == ours
+    finally:
+        compat.restore_multi_tensor_kernels()
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+    assert clip_grads.multi_tensor_scale_tensor_impl is None
+
+
+def test_source_checks_fail_on_other_code():
+    """The behaviour checks read megatron's source: they refuse a function that does not hold it."""
+    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+        return sum(float(g.norm()) for g in grads_for_norm)
+
+    for key in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32",
+                "DistributedOptimizer._copy_main_params_to_model_params"):
+        assert not compat.INTERNALS[key].check(get_grad_norm_fp32), key

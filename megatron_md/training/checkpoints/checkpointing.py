@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model as unwrap
 
+from megatron_md.mcore import multi_tensor
 from megatron_md.mcore.optimizer_checkpoint import (
     after_load,
     byte_sharded_optimizers,
@@ -341,6 +342,7 @@ def load_checkpoint(
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         after_load(optimizer)
+        multi_tensor.use_foreach(optimizer)  # the load replaced the param groups (and their foreach)
         if "md" in loaded:
             from megatron_md.mcore.md_checkpoint import load_md_state
 
