@@ -14,7 +14,8 @@ for CUDA tensors only). At dense-181m's 99 tensors that was 1,248 ops per Adam s
   reads the norm as a float only when it logs;
 - ``BatchedCopies`` around each wrapped optimizer's main->model param copy: megatron's own loop runs, its
   ``copy_`` calls are collected and done in one ``_foreach_copy_``;
-- ``foreach=True`` in torch Adam/AdamW param groups that left it to torch's default (same bits, tested).
+- torch's fused Adam/AdamW kernel in param groups that left the choice to torch's default (``foreach=True`` where
+  it cannot fuse); equal to the per-tensor step to fp32 rounding, tested.
 
 Numerics: the norm of every tensor and their total are megatron's to the bit; megatron then takes the square root
 of the reduced square in fp32 on device instead of in Python's double, and the clip coefficient is computed in
@@ -130,13 +131,24 @@ def use_foreach(optimizer) -> dict:
 
 
 def foreach_adam(o) -> int:
-    """``foreach=True`` in the param groups of a torch Adam/AdamW left to torch's default (per tensor on CPU).
+    """torch's fused kernel (``fused=True``) in the param groups of a torch Adam/AdamW left to torch's default,
+    where every param is a float tensor on a device torch fuses for (CPU and CUDA); else ``foreach=True``. torch's
+    default steps tensor by tensor on CPU, and its foreach path reads each param's step counter on the host
+    twice per step; the fused kernel keeps the counters in one launch (equal to fp32 rounding, not bit for bit).
     A checkpoint load replaces the groups with the saved ones, so the load calls this again."""
     if not isinstance(o, torch.optim.Adam):  # AdamW is an Adam in torch >= 2.6
         return 0
     n = 0
     for group in o.param_groups:
         if group.get("foreach") is None and not group.get("fused") and not group.get("differentiable"):
-            group["foreach"] = True
+            fusable = all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in group["params"])
+            group["fused" if fusable else "foreach"] = True
             n += 1
+            for p in group["params"] if fusable else ():  # the fused kernel takes its step counters on the device
+                step = o.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    o.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
     return n
+
+
+FUSED_DEVICES = ("cpu", "cuda")

@@ -239,15 +239,17 @@ def test_megatron_step_costs_a_fixed_number_of_ops(mcore_world, megatron_kernels
     assert before_large["_local_scalar_dense"] >= 1
 
 
-def test_torch_adamw_takes_foreach_and_keeps_its_bits():
-    """torch turns foreach on only for CUDA tensors; on CPU we set it in the param groups. Same numbers."""
-    def run(set_foreach):
+def test_torch_adamw_takes_the_fused_kernel_equal_to_rounding():
+    """torch steps AdamW tensor by tensor on CPU; we give the groups its fused kernel: one op per group and step,
+    no host read of the step counters, the per-tensor result to fp32 rounding (not bit for bit)."""
+    def run(fuse):
         g = torch.Generator().manual_seed(1)
         ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((64,), (32, 16), (3,), (100,))]
         opt = torch.optim.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
                                 lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-        if set_foreach:
+        if fuse:
             assert multi_tensor.foreach_adam(opt) == 2 and multi_tensor.foreach_adam(opt) == 0
+            assert all(group["fused"] for group in opt.param_groups)
         with Counting() as c:
             for step in range(4):
                 for p in ps:
@@ -255,9 +257,23 @@ def test_torch_adamw_takes_foreach_and_keeps_its_bits():
                 opt.step()
         return ps, c.ops
 
-    (foreach, ops), (per_tensor, per_tensor_ops) = run(True), run(False)
-    assert all(torch.equal(a, b) for a, b in zip(foreach, per_tensor))
-    assert ops["_foreach_addcdiv_"] == 2 * 4 and per_tensor_ops["addcdiv_"] == 4 * 4
+    (fused, ops), (per_tensor, per_tensor_ops) = run(True), run(False)
+    for a, b in zip(fused, per_tensor):
+        torch.testing.assert_close(a, b, rtol=FP32_ULP * 4, atol=1e-9)  # a few roundings apart after 4 steps
+    assert ops["_fused_adamw_"] == 2 * 4 and per_tensor_ops["addcdiv_"] == 4 * 4
+    assert ops["_local_scalar_dense"] == 0 and per_tensor_ops["_local_scalar_dense"] > 0
+
+
+def test_fused_adamw_moves_loaded_step_counters_onto_the_params_device():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.ones(3)
+    opt.step()  # per tensor: a float32 CPU counter
+    opt.state[p]["step"] = torch.tensor(1.0, dtype=torch.float64)
+    multi_tensor.foreach_adam(opt)
+    assert opt.state[p]["step"].dtype == torch.float32
+    opt.step()
+    assert float(opt.state[p]["step"]) == 2.0
 
 
 # ----------------------------------------------------------------------------- a short training run
