@@ -141,6 +141,13 @@ _ENTRIES = (
                               "elif clip_coeff < 1.0:",
                               "multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff")),
              "(parameters, max_norm, total_norm) scaling [grads, grads] by the scale kernels"),
+    Internal("megatron.core.optimizer.optimizer", "ChainedOptimizer.get_grad_norm", "wrapped on each instance",
+             "when its optimizers' grad-stat groups differ (the layer-wise optimizer beside a distributed Adam) it "
+             "reads each optimizer's norm to the host ('if _grad_norm') and joins them with math.sqrt: three "
+             "device->host syncs per step; ours joins the device tensors on device, the same sum of squares",
+             _all(_params("self"), _source_has("grad_norms += [_grad_norm if _grad_norm else 0.0]",
+                                               "grad_norm = math.sqrt(sum([x**2 for x in grad_norms]))")),
+             "a method joining per-optimizer norms by math.sqrt(sum([x**2 ...]))"),
     Internal("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "replaced by runtime/cpu.py (CPU only)",
              "megatron's RNG tracker reads the CUDA generator; on CPU it reads torch's",
              _params("device", "clone", "graph_safe"), "(device, clone, graph_safe)"),
@@ -222,6 +229,17 @@ def restore_multi_tensor_kernels() -> None:
     clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
     clip_grads.multi_tensor_scale_impl = utils.local_multi_tensor_scale
     clip_grads.multi_tensor_scale_tensor_impl = None
+
+
+def wrap_chained_grad_norm(optimizer, wrapper: Callable[[Any, Callable], Callable]) -> bool:
+    """Replace a ChainedOptimizer instance's ``get_grad_norm`` by ``wrapper(optimizer, original)``; False for
+    any other optimizer."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    if not isinstance(optimizer, ChainedOptimizer):
+        return False
+    optimizer.get_grad_norm = wrapper(optimizer, optimizer.get_grad_norm)
+    return True
 
 
 def wrap_copy_main_params_to_model_params(optimizer, wrapper: Callable[[Callable], Callable]) -> bool:

@@ -15,7 +15,9 @@ for CUDA tensors only). At dense-181m's 99 tensors that was 1,248 ops per Adam s
 - ``BatchedCopies`` around each wrapped optimizer's main->model param copy: megatron's own loop runs, its
   ``copy_`` calls are collected and done in one ``_foreach_copy_``;
 - torch's fused Adam/AdamW kernel in param groups that left the choice to torch's default (``foreach=True`` where
-  it cannot fuse); equal to the per-tensor step to fp32 rounding, tested.
+  it cannot fuse); equal to the per-tensor step to fp32 rounding, tested;
+- a ChainedOptimizer norm joined on device where megatron reads each optimizer's norm to the host (the layer-wise
+  optimizer beside a distributed Adam: three syncs per step).
 
 Numerics: the norm of every tensor and their total are megatron's to the bit; megatron then takes the square root
 of the reduced square in fp32 on device instead of in Python's double, and the clip coefficient is computed in
@@ -104,6 +106,22 @@ def _batched(copy_main_params_to_model_params):
     return copy
 
 
+def _chained_norm(chained, original):
+    """megatron's ChainedOptimizer norm when its optimizers' grad-stat groups differ, joined on device: each
+    optimizer's norm (a device tensor with our kernels, or a number) squared, summed and square-rooted."""
+    def get_grad_norm():
+        if len(chained.chained_optimizers) == 1 or chained.grads_states_parallel_group_is_shared():
+            return original()
+        norms = [o.get_grad_norm() for o in chained.chained_optimizers]
+        device = next((n.device for n in norms if isinstance(n, torch.Tensor)), None)
+        if device is None:  # every norm is a number already: megatron's own arithmetic
+            return original()
+        parts = [n.reshape(()).to(device, torch.float32) if isinstance(n, torch.Tensor)
+                 else torch.tensor(float(n or 0.0), device=device) for n in norms]
+        return torch.stack(parts).square().sum().sqrt()
+    return get_grad_norm
+
+
 def _copies_are_plain(o) -> bool:
     """megatron's copy is a plain loop of ``copy_`` (no fp8/fp4 quantisation, no Megatron-FSDP)."""
     ddp = getattr(o, "ddp_config", None)
@@ -127,6 +145,8 @@ def use_foreach(optimizer) -> dict:
             o.md_batched_copies = True
             copies += 1
         groups += foreach_adam(o)
+        if not getattr(o, "md_device_norm", False) and compat.wrap_chained_grad_norm(o, _chained_norm):
+            o.md_device_norm = True
     return {"kernels": kernels, "batched_copies": copies, "foreach_adam_groups": groups}
 
 

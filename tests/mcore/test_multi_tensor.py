@@ -239,6 +239,35 @@ def test_megatron_step_costs_a_fixed_number_of_ops(mcore_world, megatron_kernels
     assert before_large["_local_scalar_dense"] >= 1
 
 
+def test_chained_layer_wise_step_reads_nothing_back(mcore_world, megatron_kernels, monkeypatch):
+    """muon_md under --use-distributed-optimizer is megatron's ChainedOptimizer of the layer-wise optimizer and a
+    distributed Adam, whose grad-stat groups differ: megatron reads each norm back to join them. Ours joins them
+    on device; without our build step (counted the same way) megatron's reads are there, so this can fail."""
+    cli = {"optimizer": "muon_md", "bf16": True, "use_distributed_optimizer": True}
+    _, ours = _megatron_step_counts(2, True, monkeypatch, **cli)
+    assert ours["_local_scalar_dense"] == 0, ours
+    _, theirs = _megatron_step_counts(2, False, monkeypatch, **cli)
+    assert theirs["_local_scalar_dense"] >= 3, theirs
+
+
+def test_chained_norm_joins_like_megatron():
+    class Part:
+        def __init__(self, norm):
+            self.norm = norm
+
+        def get_grad_norm(self):
+            return self.norm
+
+    class Chained:
+        chained_optimizers = [Part(torch.tensor(3.0)), Part(0.0), Part(torch.tensor([4.0]))]
+
+        def grads_states_parallel_group_is_shared(self):
+            return False
+
+    joined = multi_tensor._chained_norm(Chained(), lambda: pytest.fail("megatron's join is not used"))()
+    assert isinstance(joined, torch.Tensor) and float(joined) == 5.0
+
+
 def test_torch_adamw_takes_the_fused_kernel_equal_to_rounding():
     """torch steps AdamW tensor by tensor on CPU; we give the groups its fused kernel: one op per group and step,
     no host read of the step counters, the per-tensor result to fp32 rounding (not bit for bit)."""

@@ -101,7 +101,17 @@ def main() -> None:
             out = max(out, float((a[n] - b[n]).abs().max() / scale))
         return out
 
-    t = torch.tensor([worst(batched, ref), worst(single, ref), stats["moved"]], dtype=torch.float64)
+    def worst_ulps(a: dict, b: dict) -> float:
+        """Largest difference in bf16 units in the last place of the reference value: fp32 rounding of a master
+        weight can move its bf16 copy across a rounding boundary, by one such unit."""
+        out = 0.0
+        for n in a:
+            exponent = torch.floor(torch.log2(b[n].abs().clamp_min(2.0**-126)))
+            out = max(out, float(((a[n] - b[n]).abs() / torch.exp2(exponent - 7)).max()))
+        return out
+
+    t = torch.tensor([worst(batched, ref), worst(single, ref), stats["moved"], worst_ulps(batched, ref)],
+                     dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     # Every TP rank submits each of its matrices; the TP (or expert-TP) group computes each exactly once.
     counts = torch.tensor([stats["matrices"], stats["owned"], stats1["kernel_calls"], stats1["owned"],
@@ -115,6 +125,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("PROBE " + json.dumps({
             "batched_vs_duplicated": float(t[0]), "per_matrix_vs_duplicated": float(t[1]),
+            "batched_vs_duplicated_bf16_ulps": float(t[3]),
             "once_per_tp_group": bool(flag.item() == 0.0), "max_param_change": float(t[2]), "tp": tp, "matrices": int(counts[0]),
             "owned": int(counts[1]), "kernel_calls": int(counts[4]), "buckets": int(counts[5]),
             "per_matrix_kernel_calls": int(counts[2]),

@@ -49,7 +49,10 @@ def test_engine_matches_duplicated(layout, optimizer):
     res = probe(nproc, [*args, "--optimizer", optimizer])
     assert res["max_param_change"] > 1e-3, res  # the steps moved the weights
     assert res["per_matrix_vs_duplicated"] == 0.0, res
-    assert res["batched_vs_duplicated"] <= 1e-5, res
+    if "--distopt" in args:  # bf16 weights: the masters' fp32 rounding moves a weight by at most one bf16 unit
+        assert res["batched_vs_duplicated_bf16_ulps"] <= 1.0, res
+    else:
+        assert res["batched_vs_duplicated"] <= 1e-5, res
     assert res["once_per_tp_group"], res
     assert res["owned"] * res["tp"] >= res["matrices"], res
     assert res["kernel_calls"] <= res["per_matrix_kernel_calls"], res
