@@ -159,7 +159,8 @@ def resolved_attention_backend(model_cfg, *, cpu: bool, use_te: bool) -> str:
 def attention_backend(model_cfg, *, cpu: bool, use_te: bool):
     """--attention-backend as megatron-core's AttnBackend. sdpa is ours (SDPAttention in the local spec, see
     layer_spec): megatron gets AttnBackend.local, which with the local spec only turns TE's NVTE_* kernel
-    variables off, as for megatron's own local attention."""
+    variables off, as for megatron's own local attention. (megatron asserts those variables agree across
+    the models a process builds, so sdpa and local must map alike to be built side by side.)"""
     from megatron.core.transformer.enums import AttnBackend
 
     name = resolved_attention_backend(model_cfg, cpu=cpu, use_te=use_te)
