@@ -166,6 +166,24 @@ def test_packed_sequences_and_attention_bias_are_refused(mcore_world):
         mod(q, torch.randn(6, 1, 2, 8), torch.randn(6, 1, 2, 8), None)
 
 
+def test_a_backend_the_layer_spec_cannot_take_is_refused_before_launch(monkeypatch):
+    from megatron_md.models import builder
+    from megatron_md.training import config as C
+    from megatron_md.training.validate import ConfigError, validate_config
+
+    def check(**cli):
+        validate_config(C.resolve("tiny-dense", None, {"mock_data": True, **cli}), 1)
+
+    with pytest.raises(ConfigError, match="--attention-backend flash is a Transformer Engine kernel.*sdpa"):
+        check(device="cpu", attention_backend="flash")
+    check(device="cpu", attention_backend="sdpa")
+    monkeypatch.setattr(builder, "transformer_engine_available", lambda: True)  # a GPU machine with TE
+    with pytest.raises(ConfigError, match="--attention-backend sdpa plugs into.*--transformer-impl local"):
+        check(device="cuda", attention_backend="sdpa")
+    check(device="cuda", attention_backend="sdpa", transformer_impl="local")
+    check(device="cuda")  # auto: TE's choice
+
+
 def test_no_parameters_and_no_state(mcore_world):
     """Checkpoints do not change with the backend: neither module owns a tensor."""
     from megatron.core.transformer.enums import AttnMaskType
