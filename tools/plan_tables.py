@@ -19,14 +19,16 @@ REPO = Path(__file__).resolve().parent.parent
 RESULT = Path("benchmarks") / "results" / "plan_8xh100.json"
 
 # name -> the plan's arguments: the paper recipes as they stand, on the target their `target:` section states
-# (8 x H100-80GB, Transformer Engine's flash attention), and dense-1.29b without Transformer Engine (megatron-core's
-# unfused attention), where only full recomputation fits.
+# (8 x H100-80GB, Transformer Engine's flash attention), and dense-1.29b without Transformer Engine: with torch's
+# SDPA (the local spec's default) and with megatron-core's unfused attention, where only full recomputation fits.
 _DENSE = ["--config", "examples/md_paper/dense-1.29b_muon_md.yaml"]
+_LOCAL = [*_DENSE, "--transformer-impl", "local", "--attention-backend", "local"]
 PLANS = {
     "dense-1.29b": _DENSE,
     "dense-1.29b, full recompute": [*_DENSE, "--recompute-granularity", "full"],
     "dense-1.29b, no TE": [*_DENSE, "--transformer-impl", "local"],
-    "dense-1.29b, no TE, full recompute": [*_DENSE, "--transformer-impl", "local", "--recompute-granularity", "full"],
+    "dense-1.29b, no TE, local attention": _LOCAL,
+    "dense-1.29b, no TE, local attention, full recompute": [*_LOCAL, "--recompute-granularity", "full"],
     "moe-6.7b": ["--config", "examples/md_paper/moe-6.7b_muon_md.yaml"],
 }
 COMMON: list[str] = []  # the device and world size come from each recipe's target section

@@ -4,7 +4,9 @@ Transformer Engine's layer spec is used when TE imports (or when forced with
 ``--transformer-impl transformer_engine``); otherwise megatron-core's local spec, with
 ``TorchNorm`` in place of megatron's torch norm so sequence parallelism (needed by MoE+TP)
 works without TE or Apex. MoE experts are TE's grouped-GEMM ``TEGroupedMLP`` when TE builds the
-layers (unless ``--no-moe-grouped-gemm``), megatron's ``SequentialMLP`` otherwise.
+layers (unless ``--no-moe-grouped-gemm``), megatron's ``SequentialMLP`` otherwise. In the local spec the
+core attention is ``SDPAttention`` (torch's scaled_dot_product_attention, ``--attention-backend sdpa``, the
+default there) or megatron's ``DotProductAttention`` (``--attention-backend local``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_md.models.attention import SDPAttention
 from megatron_md.models.layers import SublayerOutput, TorchNorm
 
 
@@ -134,22 +137,34 @@ def fusion_settings(model_cfg, *, cpu: bool, use_te: bool, grouped: bool) -> dic
     )
 
 
-def attention_backend(model_cfg, *, cpu: bool, use_te: bool):
-    """--attention-backend as megatron-core's AttnBackend; flash and fused are TE kernels."""
-    from megatron.core.transformer.enums import AttnBackend
-
+def resolved_attention_backend(model_cfg, *, cpu: bool, use_te: bool) -> str:
+    """--attention-backend as the run builds it, auto resolved: TE's choice ("auto") under TE layers, "sdpa"
+    with the local spec. Refuses a backend the layer spec cannot build, before any layer is built."""
     name = model_cfg.attention_backend
     if name in ("flash", "fused") and (cpu or not use_te):
         raise ValueError(
             f"--attention-backend {name} is a Transformer Engine kernel and needs CUDA with TE layers; "
-            "use --attention-backend local (megatron-core's own attention) or auto"
+            "use --attention-backend sdpa (torch's fused attention), local (megatron-core's own) or auto"
         )
-    if name == "local" and use_te:
+    if name in ("local", "sdpa") and use_te:
         raise ValueError(
-            "--attention-backend local is megatron-core's own attention, which Transformer Engine's layer spec "
-            "does not build; add --transformer-impl local, or pick flash, fused, unfused or auto for TE"
+            f"--attention-backend {name} plugs into megatron-core's local layer spec, which Transformer Engine "
+            "layers replace; add --transformer-impl local, or pick flash, fused, unfused or auto for TE"
         )
-    return AttnBackend[name]
+    if name == "auto":
+        return "auto" if use_te else "sdpa"
+    return name
+
+
+def attention_backend(model_cfg, *, cpu: bool, use_te: bool):
+    """--attention-backend as megatron-core's AttnBackend. sdpa is ours (SDPAttention in the local spec, see
+    layer_spec): megatron gets AttnBackend.local, which with the local spec only turns TE's NVTE_* kernel
+    variables off, as for megatron's own local attention. (megatron asserts those variables agree across
+    the models a process builds, so sdpa and local must map alike to be built side by side.)"""
+    from megatron.core.transformer.enums import AttnBackend
+
+    name = resolved_attention_backend(model_cfg, cpu=cpu, use_te=use_te)
+    return AttnBackend.local if name == "sdpa" else AttnBackend[name]
 
 
 def recompute_settings(model_cfg) -> dict:
@@ -254,9 +269,11 @@ def layer_spec(model_cfg, config: TransformerConfig, *, use_te: bool) -> tuple[M
         norm = TorchNorm
         spec.submodules.input_layernorm = TorchNorm
         spec.submodules.pre_mlp_layernorm = TorchNorm
+        attn = spec.submodules.self_attention.submodules
         if m.qk_layernorm:
-            attn = spec.submodules.self_attention.submodules
             attn.q_layernorm = attn.k_layernorm = TorchNorm
+        if m.attention_backend in ("auto", "sdpa"):  # auto means sdpa with the local spec
+            attn.core_attention = SDPAttention
     if m.sandwich_norm or m.layer_scale:
         out = ModuleSpec(
             module=SublayerOutput,
@@ -306,4 +323,5 @@ def build_model(
         scale = math.sqrt(m.hidden_size)
         model.embedding.register_forward_hook(lambda _mod, _inp, out: out * scale)
     model.megatron_md_uses_te = use_te
+    model.megatron_md_attention = resolved_attention_backend(m, cpu=cpu, use_te=use_te)
     return model

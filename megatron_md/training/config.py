@@ -98,9 +98,11 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = opt(
         None, "Full recomputation: layers per group (uniform) or layers recomputed per stage (block); default 1.", valid=">=1")
     attention_backend: str = opt(
-        "auto", "Attention kernel (megatron-core AttnBackend): flash and fused need Transformer Engine on CUDA; "
-        "unfused and local run anywhere. auto: TE picks on CUDA, local on CPU.",
-        ["auto", "flash", "fused", "unfused", "local"])
+        "auto", "Core attention. With Transformer Engine layers: flash, fused or unfused (TE's kernels). With "
+        "the local spec (no TE, and always on CPU): sdpa (torch's scaled_dot_product_attention: flash / cuDNN / "
+        "memory-efficient kernels on CUDA, no s x s scores kept) or local (megatron-core's DotProductAttention, "
+        "which keeps the fp32 scores). auto: TE's choice when TE builds the layers, sdpa otherwise.",
+        ["auto", "flash", "fused", "unfused", "sdpa", "local"])
     # Fusions: unset means on where the kernel exists (CUDA, and TE/Apex where it needs them), off on CPU.
     rope_fusion: Optional[bool] = opt(None, "Fused RoPE (Transformer Engine's kernel); --no-rope-fusion turns it off.")
     bias_swiglu_fusion: Optional[bool] = opt(None, "Fused bias+SwiGLU (megatron's jit-fused kernel; CUDA).")

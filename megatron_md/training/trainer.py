@@ -177,12 +177,14 @@ class Trainer:
         cfg, log = self.cfg, self.logger
         counts = count_parameters(with_vocab(cfg.model, self.vocab))
         local = sum(p.numel() for p in self.model.parameters())
+        built = ckpt.unwrap(self.model)
         log.print(f"megatron_md | {self.rt.describe()}")
         log.print(
             f"model {cfg.preset or 'custom'}: {human(counts.total)} parameters "
             f"({human(counts.active)} active, {human(counts.embedding)} embedding); "
             f"this rank holds {human(local)}; layer spec: "
-            f"{'transformer_engine' if getattr(ckpt.unwrap(self.model), 'megatron_md_uses_te', False) else 'local'}"
+            f"{'transformer_engine' if getattr(built, 'megatron_md_uses_te', False) else 'local'}, attention "
+            f"{getattr(built, 'megatron_md_attention', '?')}"
         )
         p = cfg.parallel
         log.print(

@@ -147,6 +147,7 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         need(c.save is not None, "--save-interval needs --save DIR")
 
     errors += performance_errors(cfg, world_size)
+    errors += attention_errors(cfg)
     if errors:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
 
@@ -198,6 +199,22 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
         need(c.save is not None, "--keep-last-n-checkpoints needs --save DIR")
     need(not c.async_save or c.save is not None, "--async-save needs --save DIR")
     return errors
+
+
+def attention_errors(cfg: RunConfig) -> list[str]:
+    """--attention-backend against the layer spec the run will build (decided as the model build decides
+    it, TE importing or not), so a backend the spec cannot take is refused before any process starts."""
+    import torch
+
+    from megatron_md.models.builder import resolved_attention_backend, use_transformer_engine
+
+    m, device = cfg.model, cfg.training.device
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    try:
+        resolved_attention_backend(m, cpu=cpu, use_te=use_transformer_engine(m.transformer_impl, cpu))
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def _rampup_errors(cfg: RunConfig, world_size: int) -> list[str]:

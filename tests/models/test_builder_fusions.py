@@ -88,3 +88,31 @@ def test_moe_knobs_reach_transformer_config():
     tc = builder.transformer_config(cfg.model, cfg.parallel, bf16=False, cpu=True, use_te=False)
     assert (tc.moe_z_loss_coeff, tc.moe_expert_capacity_factor, tc.moe_token_drop_policy,
             tc.moe_shared_expert_intermediate_size) == (1e-3, 1.5, "position", 64)
+
+
+def test_auto_attention_is_sdpa_with_the_local_spec_and_te_s_choice_under_te():
+    """auto: TE's backend when TE builds the layers, SDPAttention in the local spec (CPU included); megatron
+    gets AttnBackend.local for sdpa; local keeps megatron's DotProductAttention; sdpa under TE is refused."""
+    import pytest
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_md.models.attention import SDPAttention
+
+    def resolved(cli, *, cpu, use_te):
+        return builder.resolved_attention_backend(C.resolve("tiny-dense", None, dict(cli)).model, cpu=cpu, use_te=use_te)
+
+    assert resolved({}, cpu=True, use_te=False) == resolved({}, cpu=False, use_te=False) == "sdpa"
+    assert resolved({}, cpu=False, use_te=True) == "auto"
+    assert _tc({}, cpu=True, use_te=False).attention_backend == AttnBackend.local
+    assert _tc({"attention_backend": "sdpa"}, cpu=False, use_te=False).attention_backend == AttnBackend.local
+    assert _tc({}, cpu=False, use_te=True).attention_backend == AttnBackend.auto
+    with pytest.raises(ValueError, match="--attention-backend sdpa.*--transformer-impl local"):
+        _tc({"attention_backend": "sdpa"}, cpu=False, use_te=True)
+    for cli, module in (({}, SDPAttention), ({"attention_backend": "sdpa"}, SDPAttention),
+                        ({"attention_backend": "local"}, DotProductAttention),
+                        ({"attention_backend": "unfused"}, DotProductAttention)):
+        cfg = C.resolve("tiny-dense", None, dict(cli))
+        tc = builder.transformer_config(cfg.model, cfg.parallel, bf16=False, cpu=True, use_te=False)
+        spec, _ = builder.layer_spec(cfg.model, tc, use_te=False)
+        assert spec.submodules.self_attention.submodules.core_attention is module, cli

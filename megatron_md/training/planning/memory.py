@@ -12,9 +12,10 @@ tests/training/planning/test_plan.py):
   adam, whole matrices for the layer-wise optimizer: ≈ 1/DP either way);
 - activations per micro-batch by Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models"), term by term for this model (GQA, SwiGLU, QK-norm, MoE experts), for the attention
-  kernel the run will use (``attention_for``: TE's flash attention keeps no s x s tensor; megatron-core's
-  local, unfused attention keeps per layer the fp32 softmax, its bf16 copy and the causal mask, each s x s per
-  head, counted tensor by tensor and checked against a measurement), with sequence parallelism dividing the
+  kernel the run will use (``attention_for``: TE's flash attention and torch's SDPA keep no s x s tensor,
+  except SDPA on the CPU with attention dropout; megatron-core's local, unfused attention keeps per layer
+  the fp32 softmax, its bf16 copy and the causal mask, each s x s per head, counted tensor by tensor and
+  checked against a measurement), with sequence parallelism dividing the
   norm regions by TP, and 1F1B keeping PP micro-batches in flight on the first stage.
 
 FLOPs, communication and the report live in ``report.py``.
@@ -237,9 +238,15 @@ def static_memory(cfg, lay: Layout, stage: int) -> dict:
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
-# The attention kernels the plan can count. Only the first keeps no s x s tensor for backward.
+# The attention kernels the plan can count. flash and sdpa keep no s x s tensor for backward.
 ATTENTION_KERNELS = {
     "flash": "Transformer Engine's fused attention (flash-attn or cuDNN): no s x s tensor is kept",
+    "sdpa": "torch's scaled_dot_product_attention in the local spec (--attention-backend sdpa): flash, cuDNN or "
+            "memory-efficient kernels on CUDA, a flash-style kernel on the CPU; per layer it keeps Q, K and V "
+            "(K and V repeated to all heads), its output and a fp32 log-sum-exp per head and token, no s x s tensor",
+    "sdpa-math": "torch's SDPA on the CPU with attention dropout, where torch falls back to its math path in "
+                 "fp32: per layer it keeps the probabilities, the dropout mask and dropout's output, all s x s "
+                 "fp32, and fp32 copies of Q, K and V",
     "unfused": "megatron-core's local DotProductAttention with torch's softmax: per layer it keeps the fp32 "
                "probabilities, their act-dtype copy (bf16 runs) and a bool causal mask, all s x s",
     "unfused-fused-softmax": "megatron-core's local DotProductAttention with Megatron's fused causal softmax "
@@ -260,7 +267,7 @@ class Attention:
 
     @property
     def scores(self) -> bool:  # whether the kernel keeps s x s tensors for backward
-        return self.kernel != "flash"
+        return self.kernel not in ("flash", "sdpa")
 
     @property
     def torch_softmax(self) -> bool:
@@ -284,11 +291,12 @@ def attention_for(cfg, on_cpu: bool, micro_batch: int = 1, tp: int = 1) -> Atten
     """The layer spec and attention kernel the trainer will build (``models/builder.py``), decided from the
     config alone: the planner runs on a login node, so it never looks at what imports here.
 
-    --transformer-impl local, or a CPU run: megatron-core's local spec, whose attention is always
-    DotProductAttention (unfused). transformer_engine, or auto on a GPU: Transformer Engine's spec (auto
-    assumes TE imports on the GPU machines, as in NGC containers; a run without TE gets the local spec, so
-    plan it with --transformer-impl local). Under TE, --attention-backend auto, flash and fused keep no s x s
-    tensor; unfused does.
+    --transformer-impl local, or a CPU run: megatron-core's local spec, whose attention is SDPA
+    (--attention-backend auto or sdpa) or megatron's DotProductAttention (local or unfused).
+    transformer_engine, or auto on a GPU: Transformer Engine's spec (auto assumes TE imports on the GPU
+    machines, as in NGC containers; a run without TE gets the local spec, so plan it with
+    --transformer-impl local). Under TE, --attention-backend auto, flash and fused keep no s x s tensor;
+    unfused does.
     """
     m = cfg.model
     impl, backend = m.transformer_impl, m.attention_backend
@@ -297,9 +305,9 @@ def attention_for(cfg, on_cpu: bool, micro_batch: int = 1, tp: int = 1) -> Atten
                          "(--device cpu): use --transformer-impl local or auto")
     te = impl == "transformer_engine" or (impl == "auto" and not on_cpu)
     if te:
-        if backend == "local":
-            raise ValueError("--attention-backend local is megatron-core's own attention, which Transformer "
-                             "Engine's layer spec does not build; add --transformer-impl local, or pick auto, "
+        if backend in ("local", "sdpa"):
+            raise ValueError(f"--attention-backend {backend} plugs into megatron-core's local layer spec, which "
+                             "Transformer Engine layers replace; add --transformer-impl local, or pick auto, "
                              "flash, fused or unfused")
         src = "--transformer-impl transformer_engine" if impl != "auto" else (
             "--transformer-impl auto on a GPU: Transformer Engine assumed (NGC containers ship it; without it "
@@ -309,8 +317,16 @@ def attention_for(cfg, on_cpu: bool, micro_batch: int = 1, tp: int = 1) -> Atten
         return Attention("te", "flash", f"{src}, --attention-backend {backend}")
     if backend in ("flash", "fused"):
         raise ValueError(f"--attention-backend {backend} is a Transformer Engine kernel and needs CUDA with TE "
-                         "layers; use --attention-backend local (megatron-core's own attention) or auto")
+                         "layers; use --attention-backend sdpa (torch's fused attention), local (megatron-core's "
+                         "own) or auto")
     src = "a CPU run: megatron-core's local spec" if on_cpu else "--transformer-impl local"
+    if backend in ("auto", "sdpa"):
+        src += f", --attention-backend {backend}: torch's scaled_dot_product_attention"
+        if on_cpu and m.attention_dropout > 0:
+            return Attention("local", "sdpa-math", f"{src} (with --attention-dropout on the CPU torch falls back "
+                             "to its math path, which keeps the s x s probabilities)", on_cpu)
+        return Attention("local", "sdpa", src, on_cpu)
+    src += f", --attention-backend {backend}: megatron-core's DotProductAttention"
     fusion = m.masked_softmax_fusion
     if fusion and not on_cpu and _fused_softmax_runs(cfg, micro_batch, tp):
         return Attention("local", "unfused-fused-softmax", f"{src}, --masked-softmax-fusion")
@@ -346,9 +362,18 @@ def layer_activation_bytes(cfg, lay: Layout, attn: Attention, selective: bool = 
     # A dropout mask: CUDA's fused dropout keeps a bool mask; on the CPU torch multiplies by a noise tensor
     # of the input's dtype and keeps that.
     drop_mask = e if attn.cpu else 1
-    if not attn.scores or selective:
+    if selective or attn.kernel == "flash":
         tensor += (d * (a + 2 * g) + a * d) * e  # Q, K, V into the kernel (or the recompute checkpoint), output
         softmax = mask = 0
+    elif attn.kernel == "sdpa":
+        # Q, K and V repeated to all heads (SDPAttention repeats for GQA), the output, a fp32 log-sum-exp
+        tensor += 4 * a * d * e + a * FP32
+        softmax = mask = 0
+    elif attn.kernel == "sdpa-math":
+        # torch's math fallback in fp32: copies of Q (scaled) and K, V (or its fp32 copy in bf16); per score
+        # the softmax output, dropout's mask (a float tensor) and dropout's output, 4 bytes each
+        tensor += 3 * a * d * FP32
+        softmax, mask = a * s * 3 * FP32, 0
     else:
         tensor += 3 * a * d * e  # Q, K and V expanded to all heads (GQA) for the batched matmuls
         # Per score (a s^2 b of them), what megatron-core's DotProductAttention hands to backward: the

@@ -6,7 +6,7 @@ one run gives both the straight losses and the checkpoint; a resumed run loads i
 
 - same layout: every optimizer resumes bit-identically (Adam in megatron's default
   ``dp_reshardable`` format; the others with the layer-wise optimizer), the MD bases Lion and SOAP with
-  the authors' options too;
+  the authors' options too, and MuonMD with ``--attention-backend sdpa`` and attention dropout;
 - another layout: DP2->DP1, DP1->DP2 and DP2->PP2 continue within rel 1e-5 of the straight run.
   DP2->TP2 and EP2->EP1 change the bf16 arithmetic itself (TP: row-parallel partial sums are rounded
   before they are added, two straight runs from identical weights differ by ~9e-5; EP: experts see
@@ -55,7 +55,12 @@ OPTIMIZERS = {
     "muon_md_heads": ["--optimizer", "muon_md", "--md-split-heads-update", "--md-sphere", "equi",
                       "--md-embedding-sphere", "flat", "--md-embedding-gains", "rowcol", "--md-gain-param", "direct",
                       "--md-router-base", "adam"],
+    # auto is sdpa on the CPU, so every case above runs torch's SDPA; this one names it and turns attention
+    # dropout on, whose masks come from the model-parallel RNG stream the checkpoint carries (same layout only:
+    # at another DP size each rank draws other masks)
+    "muon_md_sdpa": ["--optimizer", "muon_md", "--attention-backend", "sdpa", "--attention-dropout", "0.1"],
 }
+SAME_LAYOUT_ONLY = ("muon_md_sdpa",)
 LAYOUTS = {
     "dp1": ["--nproc-per-node", "1"],
     "dp2": ["--nproc-per-node", "2"],
@@ -140,7 +145,8 @@ def test_same_layout_resume_is_bit_identical(tmp_path, opt):
 # ----------------------------------------------------------------------------- other layouts
 
 RESHARD_DEFAULT = [("muon_md", "dp2", "dp1"), ("adam", "dp2", "pp2"), ("manifold_muon", "dp1", "dp2")]
-RESHARD_ALL = [(o, s, d) for o in OPTIMIZERS for s, d in (("dp2", "dp1"), ("dp1", "dp2"), ("dp2", "pp2"))]
+RESHARD_ALL = [(o, s, d) for o in OPTIMIZERS if o not in SAME_LAYOUT_ONLY
+               for s, d in (("dp2", "dp1"), ("dp1", "dp2"), ("dp2", "pp2"))]
 
 
 @pytest.mark.parametrize(
