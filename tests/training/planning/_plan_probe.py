@@ -88,7 +88,8 @@ def measure(case: dict) -> dict:
         for s in o.state.values():
             for v in s.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:  # step counters are scalars
-                    state_seen[storage_key(v)] = v.numel() * v.element_size()
+                    # a view's own bytes: MD keeps same-shape matrices' state as views of one stacked tensor
+                    state_seen[(storage_key(v), v.storage_offset(), tuple(v.shape))] = v.numel() * v.element_size()
         for group in o.param_groups:
             for p in group["params"]:
                 k = storage_key(p)
