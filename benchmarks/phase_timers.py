@@ -67,6 +67,12 @@ MD_PHASES = (
     ("blocks_sphere_scale (sphere norms)", "blocks_sphere_scale"),
     ("adam_ (gains)", "adam_"),
 )
+# (label, attribute of megatron_md.optim.md_batched): the same phases on stacks of same-shape matrices (the
+# default path; md.py's functions above then run only for configurations it leaves to them).
+BATCHED_PHASES = (
+    ("sphere norms (stacked)", "sphere_scale_stacked"),
+    ("gains' Adam (foreach, all stacks)", "update_gains_"),
+)
 # (label, class of megatron_md.optim.bases, method) timed inside the same two phases.
 BASE_PHASES = (("MuonBase.direction (momentum)", "MuonBase", "direction"),
                ("MuonBase.descend_ (scaled step)", "MuonBase", "descend_"),
@@ -95,6 +101,7 @@ def phase_timers(subject):
         if subject.name == "muon_md":
             import megatron_md.optim.bases as bases
             import megatron_md.optim.md as md
+            import megatron_md.optim.md_batched as md_batched
             import megatron_md.optim.muon_md as mdo
             from megatron_md.parallel.orthogonalize import OrthogonalizationEngine
 
@@ -106,8 +113,20 @@ def phase_timers(subject):
 
                 setattr(mdo, fn, by_role)
                 t._undo.append((mdo, fn, orig, True))
+            for fn, label, role_of in (("prepare", "md_prepare", lambda a: a[0][0]),
+                                       ("descend_", "md_finish_", lambda a: a[1].params[0]),
+                                       ("write_", "md_finish_", lambda a: a[0][0])):
+                orig = getattr(md_batched, fn)
+
+                def by_role_stacked(*a, _orig=orig, _label=label, _role=role_of, **k):
+                    return t.wrap(_orig, f"{_label} [{_md_role(_role(a))}]")(*a, **k)
+
+                setattr(md_batched, fn, by_role_stacked)
+                t._undo.append((md_batched, fn, orig, True))
             for label, attr in MD_PHASES:
                 t.patch(md, attr, label)
+            for label, attr in BATCHED_PHASES:
+                t.patch(md_batched, attr, label)
             for label, cls, attr in BASE_PHASES:
                 t.patch(getattr(bases, cls), attr, label)
             t.patch(OrthogonalizationEngine, "run", "engine.run (gather, msign, scatter)")
@@ -147,7 +166,7 @@ def phase_breakdown(subject, steps: int) -> dict:
                 add(k, per[k])
                 md_total += per[k]
         children = 0.0
-        for label in [m[0] for m in MD_PHASES] + [b[0] for b in BASE_PHASES]:
+        for label in [m[0] for m in MD_PHASES + BATCHED_PHASES] + [b[0] for b in BASE_PHASES]:
             if label in per:
                 add(label, per[label])
                 children += per[label]

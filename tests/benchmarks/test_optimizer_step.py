@@ -109,8 +109,8 @@ def test_phase_breakdown(tiny_run):
     assert set(ph) == set(OPTIMIZERS)
     md = {row["name"]: row for row in ph["muon_md"]["phases"]}
     for name in ("msign", "inner step: MegatronMD", "md_prepare [hidden]", "md_finish_ [hidden]",
-                 "md_prepare [embedding]", "md_finish_ [output]", "gain_grads_fused",
-                 "blocks_sphere_scale (sphere norms)", "engine.run (gather, msign, scatter)"):
+                 "md_prepare [embedding]", "md_finish_ [output]", "gains' Adam (foreach, all stacks)",
+                 "sphere norms (stacked)", "engine.run (gather, msign, scatter)"):
         assert name in md and md[name]["seconds"] > 0, name
     # 12 blocks (2 layers x Q, K, V, proj, fc1, fc2) in one kernel call per distinct shape: Q and proj
     # (64 x 64), K and V (32 x 64: 2 query groups of 16 channels), fc1 (SwiGLU 512 x 64), fc2 (64 x 256)
