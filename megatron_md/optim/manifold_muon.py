@@ -364,6 +364,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         msign_dtype: Any = torch.float32,
         column_preserving: bool = False,
         radius: float | None = None,
+        retraction: str = "auto",
         split_qkv: bool = False,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         project: bool = True,
@@ -374,7 +375,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             weight_decay=weight_decay, dual_steps=dual_steps, dual_lr=dual_lr, tol=tol,
             msign_steps=msign_steps, fast_dual_steps=fast_dual_steps, fast_dual_lr=fast_dual_lr,
             fast_msign_steps=fast_msign_steps, msign_dtype=msign_dtype,
-            column_preserving=column_preserving, radius=radius, split_qkv=split_qkv,
+            column_preserving=column_preserving, radius=radius, retraction=retraction, split_qkv=split_qkv,
             qkv_split_shapes=qkv_split_shapes,
         )
         super().__init__(params, defaults)
