@@ -93,7 +93,8 @@ def finish_manifold_steps(pending: list) -> None:
     for p, state, keys, t in pending:
         pairs = [(p.data, t.out_sharded[0].view_as(p.data))]
         for k, v in zip(keys + list(_LOG_KEYS), t.out_replicated):
-            if state.get(k) is None or state[k].shape != v.shape:  # no correction yet: a tensor of its own
+            old = state.get(k)
+            if old is None or old.shape != v.shape or old.dtype != torch.float32:  # state is fp32, its own tensor
                 state[k] = torch.empty(v.shape, dtype=torch.float32, device=v.device)
             pairs.append((state[k], v))
         for d, v in pairs:
