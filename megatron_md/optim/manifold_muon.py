@@ -11,7 +11,8 @@ next step; ``manifolds.manifold_muon_fast``). Fused QKV is ONE matrix by default
 ``WᵀW`` is invariant to Megatron's row interleaving); ``split_qkv=True`` constrains Q, K, V separately.
 
 State per param (all tensors): ``momentum_buffer`` (fp32, like the param), ``dual_violation`` and
-``dual_iters`` (last step's RMS tangent violation / dual iterations, max over blocks) and, in fast mode,
+``dual_iters`` (last step's RMS tangent violation / dual iterations, max over blocks; 0-d tensors on the
+param's device, written without a host sync and read only when reported) and, in fast mode,
 ``dual`` (or ``dual_q``/``dual_k``/``dual_v`` when split): the ``n x n`` warm-start correction,
 ``n = min(rows, cols)`` of the (block) matrix — ``n²`` extra floats per matrix, e.g. 2.4 MB for d = 768.
 
@@ -199,6 +200,14 @@ def retraction_for(hp: ManifoldHyperParams, device: torch.device) -> str:
     return "exact" if device.type == "cpu" else "ns"
 
 
+def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t.index_select(1, rows)
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
 def solve_stacked(W: torch.Tensor, U: torch.Tensor, duals: dict, hp: ManifoldHyperParams,
                   blocks: list | None = None) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
     """Fast-mode solve of a stack ``[B, m, n]`` of same-shape FULL matrices, no per-matrix work.
@@ -216,12 +225,10 @@ def solve_stacked(W: torch.Tensor, U: torch.Tensor, duals: dict, hp: ManifoldHyp
     new_duals, violation, iters = {}, None, None
     retraction = retraction_for(hp, W.device)
     for group in by_rows.values():
-        pick = lambda t, rows: t if rows is None else t.index_select(1, rows)  # noqa: E731
-        cat = lambda ts: ts[0] if len(ts) == 1 else torch.cat(ts)  # noqa: E731
-        Wb, Ub = cat([pick(W, r) for _, r in group]), cat([pick(U, r) for _, r in group])
+        Wb, Ub = _cat([_rows(W, r) for _, r in group]), _cat([_rows(U, r) for _, r in group])
         n = min(Wb.shape[-2:])
         ds = [duals.get("dual" + suffix) for suffix, _ in group]
-        dual = cat(ds) if all(d is not None and tuple(d.shape[1:]) == (n, n) for d in ds) else None
+        dual = _cat(ds) if all(d is not None and tuple(d.shape[1:]) == (n, n) for d in ds) else None
         out, corr, info = manifold_muon_fast(Wb, Ub, hp.manifold, hp.lr, dual, hp.fast_dual_steps,
                                              hp.fast_dual_lr, hp.tol, msign_steps=hp.fast_msign_steps,
                                              msign_dtype=hp.msign_dtype, retraction=retraction,
