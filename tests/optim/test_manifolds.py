@@ -455,14 +455,15 @@ def test_ns_dgram_retraction_against_the_exact_one(shape, dtype):
     assert _off_rel(inputs["raw step lr 0.02"]) > 1e-3  # the inputs are off the manifold: the test can fail
 
 
-def test_fast_step_with_the_ns_retraction_stays_near_the_exact_one():
-    W, G = _point((96, 32), "dgram", seed=2)
+@pytest.mark.parametrize("shape_name", ["qkv", "wide"])
+def test_fast_step_with_the_ns_retraction_stays_near_the_exact_one(shape_name):
+    W, G = _point(SHAPES[shape_name], "dgram", seed=2)
     W_e, C_e, _ = M.manifold_muon_fast(W, G, "dgram", 0.02, retraction="exact")
     W_n, C_n, _ = M.manifold_muon_fast(W, G, "dgram", 0.02, retraction="ns")
     torch.testing.assert_close(C_n, C_e)  # the dual step does not depend on the retraction
     rel = float((W_n - W_e).norm() / (W_e - W).norm())
-    print(f"\nfast DGram step 96x32: |ns - exact| / |step| = {rel:.2e}")
-    assert rel < 3e-3  # measured 4.4e-4
+    print(f"\nfast DGram step {SHAPES[shape_name]}: |ns - exact| / |step| = {rel:.2e}")
+    assert rel < 3e-3  # measured 4.4e-4 (96x32), 1.5e-3 (32x64)
     assert _off_rel(W_n) < 1e-7
     with pytest.raises(ValueError, match="retraction"):
         M.DGram(retraction="svd")
