@@ -51,3 +51,25 @@ def run_and_compare(p, opt, ref, steps=4, seed=1, rtol=2e-4, atol=2e-5):
         opt.step()
         ref.step(G)
     torch.testing.assert_close(p.detach().double(), ref.W, rtol=rtol, atol=atol)
+
+
+class OpCounter:
+    """Counts dispatched aten ops by name while active (``with OpCounter() as c: ...; c.ops``);
+    ``_local_scalar_dense`` is a tensor value read on the host (a device sync on GPUs)."""
+
+    def __new__(cls):
+        import collections
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops = collections.Counter()
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops[func.overloadpacket.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        return _Mode()
+

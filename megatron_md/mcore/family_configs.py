@@ -169,6 +169,9 @@ class ManifoldConfig:
                                        "/ (d_i^2 + d_j^2)).", valid=">0")
     manifold_fast_msign_steps: int = opt(8, "manifold_muon fast: Polar Express steps of msign.", valid=">=1")
     manifold_split_qkv: bool = opt(False, "manifold_muon: constrain Q, K, V separately (default: fused).")
+    manifold_retraction: str = opt(
+        "auto", "manifold_muon fast: DGram retraction. exact: from an fp64 eigendecomposition of the Gram; ns: "
+        "GEMMs only in fp32 (no eigh, no host sync); auto: ns on GPUs, exact on CPU.", ["auto", "exact", "ns"])
 
 
 @dataclass

@@ -65,7 +65,7 @@ class MegatronManifoldMuon(MegatronMD):
             dual_lr=config.manifold.manifold_dual_lr, tol=1e-6, msign_steps=config.manifold.manifold_msign_steps,
             fast_dual_steps=config.manifold.manifold_fast_dual_steps, fast_dual_lr=config.manifold.manifold_fast_dual_lr,
             fast_msign_steps=config.manifold.manifold_fast_msign_steps,
-            split_qkv=config.manifold.manifold_split_qkv,
+            split_qkv=config.manifold.manifold_split_qkv, retraction=config.manifold.manifold_retraction,
             msign_dtype="bf16" if ns_settings(config)["dtype"] == torch.bfloat16 else "fp32",
         )
         self.geometry_override: dict[str, str] = {}  # md_key -> geometry (auto policy switches)

@@ -11,7 +11,8 @@ next step; ``manifolds.manifold_muon_fast``). Fused QKV is ONE matrix by default
 ``WᵀW`` is invariant to Megatron's row interleaving); ``split_qkv=True`` constrains Q, K, V separately.
 
 State per param (all tensors): ``momentum_buffer`` (fp32, like the param), ``dual_violation`` and
-``dual_iters`` (last step's RMS tangent violation / dual iterations, max over blocks) and, in fast mode,
+``dual_iters`` (last step's RMS tangent violation / dual iterations, max over blocks; 0-d tensors on the
+param's device, written without a host sync and read only when reported) and, in fast mode,
 ``dual`` (or ``dual_q``/``dual_k``/``dual_v`` when split): the ``n x n`` warm-start correction,
 ``n = min(rows, cols)`` of the (block) matrix — ``n²`` extra floats per matrix, e.g. 2.4 MB for d = 768.
 
@@ -26,7 +27,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .manifolds import MANIFOLDS, init_on_manifold, is_wide, manifold_muon, manifold_muon_fast, polar_express
+from .manifolds import (MANIFOLDS, RETRACTIONS, init_on_manifold, is_wide, manifold_muon, manifold_muon_fast,
+                        polar_express)
 from .blocks import qkv_row_index
 from .md import matrix_params
 
@@ -55,6 +57,7 @@ class ManifoldHyperParams:
     fast_msign_steps: int = 8
     msign_dtype: Any = torch.float32  # the reference runs bf16; fp32 default for CPU accuracy
     column_preserving: bool = False  # DGram retraction variant
+    retraction: str = "auto"  # fast-mode DGram retraction: exact (fp64 eigh), ns (GEMMs only), auto: ns off CPU
     radius: float | None = None  # sphere radius (None: keep the current one)
     split_qkv: bool = False
     qkv_split_shapes: tuple[int, int, int] | None = None
@@ -76,6 +79,8 @@ class ManifoldHyperParams:
             raise ValueError(f"need lr >= 0 and momentum in [0, 1), got lr={self.lr}, momentum={self.momentum}")
         if self.msign_dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"msign_dtype must be fp32 or bf16, got {self.msign_dtype!r}")
+        if self.retraction not in RETRACTIONS + ("auto",):
+            raise ValueError(f"unknown retraction {self.retraction!r}; choose one of {RETRACTIONS + ('auto',)}")
         if self.dual_steps < 1 or self.fast_dual_steps < 1:
             raise ValueError(f"dual_steps and fast_dual_steps must be >= 1, got {self.dual_steps}, "
                              f"{self.fast_dual_steps}")
@@ -107,8 +112,9 @@ def init_state(p: torch.Tensor, state: dict, hp: ManifoldHyperParams,
     """Momentum, logging scalars and (fast mode) zero warm-start corrections (= a cold start), sized for
     the full matrix (``full_shape`` when ``p`` is a tensor-parallel shard: checkpoints hold full duals)."""
     state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-    state["dual_violation"] = torch.zeros((), dtype=torch.float32)
-    state["dual_iters"] = torch.zeros((), dtype=torch.float32)
+    # logging figures stay on the param's device: written each step without a host sync, read when logged
+    state["dual_violation"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    state["dual_iters"] = torch.zeros((), dtype=torch.float32, device=p.device)
     if hp.mode == "fast" and hp.manifold != "none":
         rows_total, cols = full_shape or tuple(p.shape)
         for suffix, rows in qkv_blocks(p, hp, rows_total):
@@ -138,10 +144,20 @@ def _geometry_kw(hp: ManifoldHyperParams) -> dict:
 
 def momentum_(grad: torch.Tensor, state: dict, hp: ManifoldHyperParams) -> torch.Tensor:
     """Sum-form momentum of [MM-code]: ``buf ← μ buf + g``; returns ``g + μ buf`` (Nesterov) or ``buf``."""
-    g = grad.to(torch.float32)
-    buf = state["momentum_buffer"]
-    buf.mul_(hp.momentum).add_(g)
-    return g + hp.momentum * buf if hp.nesterov else buf.clone()
+    return momenta_([grad], [state], hp)[0]
+
+
+def momenta_(grads: list[torch.Tensor], states: list[dict], hp: ManifoldHyperParams) -> list[torch.Tensor]:
+    """``momentum_`` of many matrices in a few ``torch._foreach_*`` dispatches (the same arithmetic)."""
+    gs = [g.to(torch.float32) for g in grads]
+    bufs = [st["momentum_buffer"] for st in states]
+    torch._foreach_mul_(bufs, hp.momentum)
+    torch._foreach_add_(bufs, gs)
+    if not hp.nesterov:
+        return [b.clone() for b in bufs]
+    us = torch._foreach_mul(bufs, hp.momentum)
+    torch._foreach_add_(us, gs)  # μ·buf + g, the same rounding as g + μ·buf
+    return us
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -165,45 +181,122 @@ def _jobs(W_full: torch.Tensor, U: torch.Tensor, state: dict, hp: ManifoldHyperP
             for suffix, rows in qkv_blocks(W_full, hp)]
 
 
-def _write(job: _Job, new_W: torch.Tensor, violation: float, iters: float) -> None:
+def _write(job: _Job, new_W: torch.Tensor, violation: torch.Tensor, iters: torch.Tensor) -> None:
+    """Write one solved block; the logging figures are the max over a param's blocks, kept as tensors."""
     new_W = new_W.to(job.W_full.dtype)
     if job.rows is None:
         job.W_full.copy_(new_W)
     else:
         job.W_full.index_copy_(0, job.rows, new_W)
-    job.state["dual_violation"].fill_(max(violation, float(job.state["dual_violation"])))
-    job.state["dual_iters"].fill_(max(iters, float(job.state["dual_iters"])))
+    for key, value in (("dual_violation", violation), ("dual_iters", iters)):
+        torch.maximum(job.state[key], value.to(torch.float32), out=job.state[key])
+
+
+def retraction_for(hp: ManifoldHyperParams, device: torch.device) -> str:
+    """The DGram retraction of fast mode: ``auto`` is the GEMM-only one off CPU and the exact one on CPU
+    (where eigh is cheap and the records of CPU runs stay those of the exact retraction)."""
+    if hp.retraction != "auto":
+        return hp.retraction
+    return "exact" if device.type == "cpu" else "ns"
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return t if rows is None else t.index_select(1, rows)
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def solve_stacked(W: torch.Tensor, U: torch.Tensor, duals: dict, hp: ManifoldHyperParams,
+                  blocks: list | None = None) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
+    """Fast-mode solve of a stack ``[B, m, n]`` of same-shape FULL matrices, no per-matrix work.
+
+    ``duals``: the warm-start corrections ``{key: [B, n, n]}`` (a key missing or of another shape: cold
+    start); ``blocks``: ``qkv_blocks`` of the matrices (default: whole). Same-shape Q/K/V blocks are solved
+    in one batch. Returns the new weights ``[B, m, n]``, the new corrections ``{key: [B, n, n]}`` (fp32)
+    and, per matrix, the RMS violation and dual iterations (fp32 ``[B]``, max over its blocks)."""
+    blocks = blocks or [("", None)]
+    B = W.shape[0]
+    by_rows: dict[int, list] = {}
+    for suffix, rows in blocks:
+        by_rows.setdefault(W.shape[1] if rows is None else rows.numel(), []).append((suffix, rows))
+    new_W = None if blocks[0][1] is None else torch.empty_like(W)
+    new_duals, violation, iters = {}, None, None
+    retraction = retraction_for(hp, W.device)
+    for group in by_rows.values():
+        Wb, Ub = _cat([_rows(W, r) for _, r in group]), _cat([_rows(U, r) for _, r in group])
+        n = min(Wb.shape[-2:])
+        ds = [duals.get("dual" + suffix) for suffix, _ in group]
+        dual = _cat(ds) if all(d is not None and tuple(d.shape[1:]) == (n, n) for d in ds) else None
+        out, corr, info = manifold_muon_fast(Wb, Ub, hp.manifold, hp.lr, dual, hp.fast_dual_steps,
+                                             hp.fast_dual_lr, hp.tol, msign_steps=hp.fast_msign_steps,
+                                             msign_dtype=hp.msign_dtype, retraction=retraction,
+                                             **_geometry_kw(hp))
+        v, it = info["rms_violation"].to(torch.float32), info["iters"].to(torch.float32)
+        for i, (suffix, rows) in enumerate(group):
+            part = slice(i * B, (i + 1) * B)
+            if rows is None:
+                new_W = out
+            else:
+                new_W.index_copy_(1, rows, out[part])
+            new_duals["dual" + suffix] = corr[part].to(torch.float32)
+            violation = v[part] if violation is None else torch.maximum(violation, v[part])
+            iters = it[part] if iters is None else torch.maximum(iters, it[part])
+    return new_W, new_duals, violation, iters
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def write_stacked(Ws: list[torch.Tensor], states: list[dict], new_W: torch.Tensor, new_duals: dict,
+                  violation: torch.Tensor, iters: torch.Tensor) -> None:
+    """``solve_stacked``'s outputs into the matrices and their states, a few dispatches for the stack."""
+    _copy_all(Ws, list(new_W.unbind(0)))
+    for key, value in new_duals.items():
+        values = list(value.unbind(0))
+        olds = [st.get(key) for st in states]
+        if all(o is not None and o.shape == value.shape[1:] and o.dtype == value.dtype for o in olds):
+            _copy_all(olds, values)
+        else:  # no correction yet (or one of another shape): a copy of its own, not a view of the stack
+            for st, v in zip(states, values):
+                st[key] = v.clone()
+    _copy_all([st["dual_violation"] for st in states], list(violation.unbind(0)))
+    _copy_all([st["dual_iters"] for st in states], list(iters.unbind(0)))
 
 
 def run_jobs(jobs: list[_Job], hp: ManifoldHyperParams) -> None:
-    """Solve and write back. faithful: one reference solve per matrix; fast: one stacked solve per shape."""
+    """Solve and write back, faithful mode: one reference solve per matrix (block)."""
     for job in jobs:  # per-step logging restarts (max over the param's blocks)
         job.state["dual_violation"].zero_()
         job.state["dual_iters"].zero_()
-    if hp.mode == "faithful":
-        for job in jobs:
-            new_W, _, info = manifold_muon(job.W, job.U, hp.manifold, hp.lr, hp.dual_steps, hp.dual_lr, hp.tol,
-                                           msign_steps=hp.msign_steps, msign_dtype=hp.msign_dtype,
-                                           return_info=True, **_geometry_kw(hp))
-            _write(job, new_W, float(info["rms_violation"]), float(info["iters"]))
-        return
-    by_shape: dict[tuple, list[_Job]] = {}
     for job in jobs:
-        by_shape.setdefault((tuple(job.W.shape), job.W.device), []).append(job)
-    for group in by_shape.values():
-        W = torch.stack([j.W for j in group])
-        U = torch.stack([j.U for j in group])
-        n = min(W.shape[-2:])
-        duals = [j.state.get(j.key) for j in group]
-        dual = None
-        if all(d is not None and tuple(d.shape) == (n, n) for d in duals):
-            dual = torch.stack(duals)  # type: ignore[arg-type]
-        new_W, corr, info = manifold_muon_fast(W, U, hp.manifold, hp.lr, dual, hp.fast_dual_steps,
-                                               hp.fast_dual_lr, hp.tol, msign_steps=hp.fast_msign_steps,
-                                               msign_dtype=hp.msign_dtype, **_geometry_kw(hp))
-        for i, job in enumerate(group):
-            job.state[job.key] = corr[i].to(torch.float32).clone()
-            _write(job, new_W[i], float(info["rms_violation"][i]), float(info["iters"][i]))
+        new_W, _, info = manifold_muon(job.W, job.U, hp.manifold, hp.lr, hp.dual_steps, hp.dual_lr, hp.tol,
+                                       msign_steps=hp.msign_steps, msign_dtype=hp.msign_dtype,
+                                       return_info=True, **_geometry_kw(hp))
+        _write(job, new_W, info["rms_violation"], info["iters"])
+
+
+def solve_fast_(Ws: list[torch.Tensor], Us: list[torch.Tensor], states: list[dict], hp: ManifoldHyperParams,
+                block_source: list[torch.Tensor] | None = None) -> None:
+    """Fast mode on FULL matrices in place: one ``solve_stacked`` per shape (``block_source``: the tensors
+    whose ``qkv_split_shapes`` attribute gives the Q/K/V blocks, default ``Ws``)."""
+    by_shape: dict[tuple, list[int]] = {}
+    for i, W in enumerate(Ws):
+        by_shape.setdefault((tuple(W.shape), W.device), []).append(i)
+    for idx in by_shape.values():
+        src = (block_source or Ws)[idx[0]]
+        W = torch.stack([Ws[i].float() for i in idx])
+        U = torch.stack([Us[i] for i in idx])
+        duals = {}
+        for key in dual_keys(hp):
+            ds = [states[i].get(key) for i in idx]
+            if all(d is not None for d in ds) and len({tuple(d.shape) for d in ds}) == 1:
+                duals[key] = torch.stack(ds)
+        out = solve_stacked(W, U, duals, hp, qkv_blocks(src, hp) if hp.split_qkv else None)
+        write_stacked([Ws[i] for i in idx], [states[i] for i in idx], *out)
 
 
 def dual_keys(hp: ManifoldHyperParams) -> list[str]:
@@ -228,6 +321,8 @@ def solve_full_(Ws: list[torch.Tensor], Us: list[torch.Tensor], states: list[dic
                 upd = (-hp.lr * fn(_block(U, rows))).to(W.dtype)
                 W.add_(upd) if rows is None else W.index_add_(0, rows, upd)
         return
+    if hp.mode == "fast":
+        return solve_fast_(Ws, Us, states, hp)
     run_jobs([job for W, U, st in zip(Ws, Us, states) for job in _jobs(W, U, st, hp)], hp)
 
 
@@ -276,6 +371,7 @@ class ManifoldMuon(torch.optim.Optimizer):
         msign_dtype: Any = torch.float32,
         column_preserving: bool = False,
         radius: float | None = None,
+        retraction: str = "auto",
         split_qkv: bool = False,
         qkv_split_shapes: tuple[int, int, int] | None = None,
         project: bool = True,
@@ -286,7 +382,7 @@ class ManifoldMuon(torch.optim.Optimizer):
             weight_decay=weight_decay, dual_steps=dual_steps, dual_lr=dual_lr, tol=tol,
             msign_steps=msign_steps, fast_dual_steps=fast_dual_steps, fast_dual_lr=fast_dual_lr,
             fast_msign_steps=fast_msign_steps, msign_dtype=msign_dtype,
-            column_preserving=column_preserving, radius=radius, split_qkv=split_qkv,
+            column_preserving=column_preserving, radius=radius, retraction=retraction, split_qkv=split_qkv,
             qkv_split_shapes=qkv_split_shapes,
         )
         super().__init__(params, defaults)
@@ -313,19 +409,18 @@ class ManifoldMuon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             hp = ManifoldHyperParams.from_group(group)
-            jobs: list[_Job] = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:  # e.g. after loading weights without optimizer state
-                    init_state(p, state, hp)
-                if hp.mode == "fast" and hp.manifold != "none":
-                    jobs += _jobs(p.data, momentum_(p.grad, state, hp), state, hp)
-                else:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:  # e.g. after loading weights without optimizer state
+                    init_state(p, self.state[p], hp)
+            states = [self.state[p] for p in params]
+            if hp.mode == "fast" and hp.manifold != "none":
+                # every same-shape matrix of the group in one stacked solve
+                solve_fast_([p.data for p in params], momenta_([p.grad for p in params], states, hp), states, hp,
+                            block_source=params)
+            else:
+                for p, state in zip(params, states):
                     manifold_step_(p.data, p.grad, state, hp)
-            if jobs:  # fast mode: every same-shape matrix of the group in one stacked solve
-                run_jobs(jobs, hp)
         return loss
 
     def constraint_report(self) -> dict[int, dict[str, float]]:

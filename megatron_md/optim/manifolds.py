@@ -32,6 +32,7 @@ from .msign import msign
 
 MsignFn = Callable[[torch.Tensor], torch.Tensor]
 MANIFOLDS = ("stiefel", "dgram", "oblique", "sphere")
+RETRACTIONS = ("exact", "ns")  # DGram fast-mode retraction: fp64 eigh of the Gram, or GEMM-only (retract_gram_ns)
 _FLOOR = 1e-12  # norm floor: a zero column / matrix stays zero instead of producing NaN
 
 
@@ -54,6 +55,13 @@ def _gram(W: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
 
 def _eye_like(M: torch.Tensor) -> torch.Tensor:
     return torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+
+
+def host_branches(device: torch.device) -> bool:
+    """Whether code may branch on a tensor's value on ``device``. On CPU reading a value costs nothing, so
+    early exits and fallbacks are taken only when needed; elsewhere it drains the device queue, so the
+    same result comes from masks (``torch.where``) instead. Tests patch this to check the masked path."""
+    return device.type == "cpu"
 
 
 def rms(M: torch.Tensor) -> torch.Tensor:
@@ -123,8 +131,11 @@ class DGram(Geometry):
 
     name = "dgram"
 
-    def __init__(self, column_preserving: bool = False):
+    def __init__(self, column_preserving: bool = False, retraction: str = "exact"):
+        if retraction not in RETRACTIONS:
+            raise ValueError(f"unknown DGram retraction {retraction!r}; choose one of {RETRACTIONS}")
         self.column_preserving = column_preserving
+        self.retraction = retraction
 
     def project_gram(self, M):
         return M * (1.0 - _eye_like(M))
@@ -146,9 +157,12 @@ class DGram(Geometry):
     def retract_gram(self, X: torch.Tensor) -> torch.Tensor:
         """The same retraction from the fp64 eigendecomposition of the ``n x n`` Gram (fast mode): with
         ``XᵀX = V diag(σ²) Vᵀ``, ``U Vᵀ = X V diag(1/σ) Vᵀ``. Three times cheaper than a tall SVD on CPU
-        and batched-friendly; directions with σ < 1e-6·σ_max (lost to fp64 squaring) are dropped."""
+        and batched-friendly; directions with σ < 1e-6·σ_max (lost to fp64 squaring) are dropped.
+        ``retraction="ns"`` computes it with GEMMs only instead (``retract_gram_ns``)."""
         if self.column_preserving:
             return self.retract(X)
+        if self.retraction == "ns":
+            return retract_gram_ns(X)
         X64 = X.to(torch.float64)
         lam, V = torch.linalg.eigh(X64.mT @ X64)  # ascending
         lam = lam.clamp_min(0.0)
@@ -157,6 +171,32 @@ class DGram(Geometry):
         inv = torch.where(keep, 1.0 / sig.clamp_min(_FLOOR), torch.zeros_like(sig))
         polar = X64 @ ((V * inv.unsqueeze(-2)) @ V.mT)
         return (polar * sig.flip(-1).unsqueeze(-2)).to(X.dtype)  # column j gets the j-th largest σ
+
+
+def retract_gram_ns(X: torch.Tensor, steps: int = 3) -> torch.Tensor:
+    """DGram retraction ``polar(X)·diag(σ↓)`` with GEMMs only, in ``X.dtype`` (no eigh, no host sync).
+
+    The polar factor is ``X T`` with ``T = (XᵀX)^(-1/2)``, found in the ``n x n`` Gram space from
+    ``T = diag(1/‖x_j‖)`` (unit columns: a point after a small step has nearly orthogonal ones). Each step
+    applies ``T ← T (I + ½(I − TᵀGT) + K)``: a cubic Newton–Schulz step towards ``TᵀGT = I`` plus the skew
+    ``K_ij = (H − Hᵀ)_ij / (h_i + h_j)``, ``H = TᵀG``, the diagonal Newton step that makes ``(XT)ᵀX``
+    symmetric; both converge fast while the columns stay nearly orthogonal, whatever their norms.
+    ``σ`` are the diagonal of ``(XT)ᵀX``, sorted descending (its eigenvalues to second order in its
+    off-diagonal). Inputs whose normalised Gram has a Gershgorin bound above 2 are scaled into the
+    iteration's basin first (they converge more slowly). Accuracy: tests/optim/test_manifolds.py."""
+    G = X.mT @ X
+    eye = _eye_like(G)
+    c = 1.0 / torch.diagonal(G, dim1=-2, dim2=-1).sqrt().clamp_min(_FLOOR)
+    bound = (G.abs() * c.unsqueeze(-1) * c.unsqueeze(-2)).sum(dim=-1).amax(dim=-1, keepdim=True)
+    T = torch.diag_embed(c * (2.0 / bound.clamp_min(2.0)).sqrt())
+    for _ in range(steps):
+        H = T.mT @ G
+        h = torch.diagonal(H, dim1=-2, dim2=-1)
+        K = (H - H.mT) / (h.unsqueeze(-1) + h.unsqueeze(-2)).clamp_min(_FLOOR)
+        T = T @ (1.5 * eye - 0.5 * (H @ T) + K)
+    T = T @ (1.5 * eye - 0.5 * (T.mT @ G @ T))  # a last orthonormalisation (its error is quadratic)
+    sig = torch.diagonal(T.mT @ G, dim1=-2, dim2=-1).sort(dim=-1, descending=True).values
+    return (X @ T) * sig.unsqueeze(-2)
 
 
 class Oblique(Geometry):
@@ -203,14 +243,15 @@ class Sphere(Geometry):
         return X * (r / X.norm(dim=(-2, -1), keepdim=True).clamp_min(_FLOOR))
 
 
-def get_geometry(manifold: str | Geometry, column_preserving: bool = False, radius: float | None = None) -> Geometry:
+def get_geometry(manifold: str | Geometry, column_preserving: bool = False, radius: float | None = None,
+                 retraction: str = "exact") -> Geometry:
     """Geometry object for a name in ``MANIFOLDS`` (a Geometry passes through)."""
     if isinstance(manifold, Geometry):
         return manifold
     if manifold == "stiefel":
         return Stiefel()
     if manifold == "dgram":
-        return DGram(column_preserving)
+        return DGram(column_preserving, retraction)
     if manifold == "oblique":
         return Oblique()
     if manifold == "sphere":
@@ -300,7 +341,8 @@ def dual_solve(
         H = geo.violation(W, A)
         iters += active
         active = active & (rms(H) >= tol)
-        if not bool(active.any()):
+        # the early exit only skips iterations that the mask makes no-ops (a converged Λ is frozen)
+        if k + 1 < dual_steps and host_branches(W.device) and not bool(active.any()):
             break
         step = dual_lr * (1.0 - k / dual_steps)
         Lam = Lam - step * H * active[..., None, None].to(H.dtype)
@@ -367,15 +409,18 @@ def near_orthogonal_polar(X: torch.Tensor, steps: int = 3, fallback: MsignFn | N
     """Polar factor of a tall ``X`` whose singular values are already near 1 (a Stiefel point plus a small
     step): cubic Newton–Schulz ``X ← X(3I - XᵀX)/2`` from ``X`` itself converges quadratically there
     (σ = 1 ± ε → 1 ± 1.5ε²), where a Frobenius-normalised Polar Express needs ~10 steps. Inputs that are
-    not near-orthogonal after ``steps`` (max |XᵀX - I| > ``tol``) are recomputed with ``fallback``."""
+    not near-orthogonal after ``steps`` (max |XᵀX - I| > ``tol``, or not finite) are recomputed with
+    ``fallback`` (the whole batch, when any is). Without ``host_branches`` the fallback is always computed
+    and selected by ``torch.where``: the same result, no host sync, one msign more per matrix."""
     Y = X
     eye = _eye_like(Y.mT @ Y)
     for _ in range(steps):
         Y = Y @ (1.5 * eye - 0.5 * (Y.mT @ Y))
     err = (Y.mT @ Y - eye).abs().amax(dim=(-2, -1))
-    if bool((err > tol).any()) or not bool(torch.isfinite(err).all()):
-        return (fallback or polar_express())(X)
-    return Y
+    bad = (~(err <= tol)).any()  # NaN counts as bad
+    if host_branches(X.device):
+        return (fallback or polar_express())(X) if bool(bad) else Y
+    return torch.where(bad, (fallback or polar_express())(X), Y)
 
 
 @torch.no_grad()
@@ -394,6 +439,7 @@ def manifold_muon_fast(
     msign_fn: MsignFn | None = None,
     column_preserving: bool = False,
     radius: float | None = None,
+    retraction: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Fast Manifold Muon on one matrix or a stack ``[B, m, n]`` of same-shape matrices: the dual ascent
     is amortised over optimizer steps instead of restarted at every step.
@@ -407,11 +453,13 @@ def manifold_muon_fast(
       on the gradient's scale or on DGram column norms, unlike the reference's absolute ``dual_lr``
       (docs/optimizers.md §2.4); the last update is kept as the next step's ``C`` (the returned ``A`` is from the last msign).
     * msign is Polar Express with ``msign_steps``; the Stiefel retraction is ``near_orthogonal_polar``,
-      the DGram one ``DGram.retract_gram`` (the reference's retraction without a tall SVD).
-    Returns ``(W⁺, C, info)``; ``C`` is ``[.., n, n]`` with ``n = min(m, n)``.
+      the DGram one ``DGram.retract_gram`` (the reference's retraction without a tall SVD; ``retraction``
+      "exact": from an fp64 eigh, "ns": GEMMs only).
+    Returns ``(W⁺, C, info)``; ``C`` is ``[.., n, n]`` with ``n = min(m, n)``. No host sync where
+    ``host_branches`` is false: the logging figures in ``info`` stay tensors.
     """
     fn = msign_fn or polar_express(msign_steps, msign_dtype)
-    geo = get_geometry(manifold, column_preserving, radius)
+    geo = get_geometry(manifold, column_preserving, radius, retraction)
     Wf, Gf = _work(W, G)
     wide, (Wt, Gt) = _tall(Wf, Gf)
     P = geo.project_gram
@@ -424,7 +472,7 @@ def manifold_muon_fast(
     active = torch.ones(Wt.shape[:-2], dtype=torch.bool, device=Wt.device)
     iters = torch.zeros(Wt.shape[:-2], dtype=torch.int64, device=Wt.device)
     A = H = None
-    for _ in range(dual_steps):
+    for k in range(dual_steps):
         X = Gt + 2.0 * Wt @ P(0.5 * (Lam + Lam.mT))
         A_k = fn(X)
         H_k = geo.violation(Wt, A_k)
@@ -435,7 +483,8 @@ def manifold_muon_fast(
         scale = X.norm(dim=(-2, -1), keepdim=True) / math.sqrt(X.shape[-1])
         Lam = Lam - (dual_lr * scale * H_k / denom) * mask.to(H_k.dtype)
         active = active & (rms(H_k) >= tol)
-        if not bool(active.any()):
+        # the early exit skips only masked no-op iterations; none to skip after the last one
+        if k + 1 < dual_steps and host_branches(Wt.device) and not bool(active.any()):
             break
     if isinstance(geo, DGram):
         Wn = geo.retract_gram(Wt - lr * A)

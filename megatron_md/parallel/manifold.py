@@ -16,10 +16,12 @@ import torch
 from megatron_md.optim.manifold_muon import (
     ManifoldHyperParams,
     dual_keys,
-    momentum_,
+    momenta_,
     msigns_per_step,
     project_param_,
+    qkv_blocks,
     solve_full_,
+    solve_stacked,
 )
 from megatron_md.parallel.orthogonalize import Kernel, OrthogonalizationEngine, msign_flops
 from megatron_md.parallel.tp import gather_shards, local_slice
@@ -47,6 +49,10 @@ def manifold_kernel(hp: ManifoldHyperParams) -> Kernel:
 
     def fn(sharded, replicated):
         W, U = sharded
+        if hp.mode == "fast" and hp.manifold != "none":  # the whole bucket in one stacked solve
+            blocks = qkv_blocks(W[0], hp) if hp.split_qkv else None
+            new_W, duals, violation, iters = solve_stacked(W, U, dict(zip(keys, replicated)), hp, blocks)
+            return [new_W], [t.to(W.dtype) for t in [duals[k] for k in keys] + [violation, iters]]
         Ws, Us = list(W.unbind(0)), list(U.unbind(0))
         states = []
         for j in range(W.size(0)):
@@ -69,9 +75,9 @@ def submit_manifold_steps(items: list[tuple], hp: ManifoldHyperParams, engine: O
     """Momentum of each ``(p, grad, state, group, dim)`` and its solve queued on ``engine`` (run it, then
     ``finish_manifold_steps``): each matrix solved once, on its owner, same-shape matrices stacked."""
     kernel, keys = manifold_kernel(hp), dual_keys(hp)
+    Us = momenta_([grad for _, grad, _, _, _ in items], [state for _, _, state, _, _ in items], hp)
     pending = []
-    for p, grad, state, group, dim in items:
-        U = momentum_(grad, state, hp)
+    for (p, _, state, group, dim), U in zip(items, Us):
         ticket = engine.submit([p.data.float(), U], group, dim, kernel, [state[k] for k in keys])
         pending.append((p, state, keys, ticket))
     return pending
@@ -79,14 +85,23 @@ def submit_manifold_steps(items: list[tuple], hp: ManifoldHyperParams, engine: O
 
 @torch.no_grad()
 def finish_manifold_steps(pending: list) -> None:
-    """Write each rank's slice of the new weights, the new duals and the step's logging scalars."""
+    """Write each rank's slice of the new weights, the new duals and the step's logging scalars: one
+    ``torch._foreach_copy_`` per dtype for all matrices (the duals and logging scalars are fp32 state
+    tensors that already exist, the weights the params)."""
+    dst: dict[torch.dtype, list] = {}
+    src: dict[torch.dtype, list] = {}
     for p, state, keys, t in pending:
-        p.data.copy_(t.out_sharded[0].view_as(p.data))
+        pairs = [(p.data, t.out_sharded[0].view_as(p.data))]
         for k, v in zip(keys + list(_LOG_KEYS), t.out_replicated):
-            if k in keys:
-                state[k] = v.to(torch.float32).clone()
-            else:
-                state[k].copy_(v)
+            old = state.get(k)
+            if old is None or old.shape != v.shape or old.dtype != torch.float32:  # state is fp32, its own tensor
+                state[k] = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+            pairs.append((state[k], v))
+        for d, v in pairs:
+            dst.setdefault(d.dtype, []).append(d)
+            src.setdefault(d.dtype, []).append(v)
+    for dtype, ds in dst.items():
+        torch._foreach_copy_(ds, src[dtype])
 
 
 @torch.no_grad()
@@ -103,8 +118,9 @@ def manifold_steps_sharded_(items: list[tuple], hp: ManifoldHyperParams, engine:
 
 def _duplicated(items: list[tuple], hp: ManifoldHyperParams) -> None:
     Ws, Us = [], []
-    for p, grad, state, group, dim in items:
-        U, W = momentum_(grad, state, hp), p.data.float().clone()
+    Ms = momenta_([grad for _, grad, _, _, _ in items], [state for _, _, state, _, _ in items], hp)
+    for (p, grad, state, group, dim), U in zip(items, Ms):
+        W = p.data.float().clone()
         Ws.append(W if dim is None else gather_shards(W, group, dim))
         Us.append(U if dim is None else gather_shards(U, group, dim))
     solve_full_(Ws, Us, [state for _, _, state, _, _ in items], hp)
