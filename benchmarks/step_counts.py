@@ -36,6 +36,9 @@ from optimizer_step import machine_info, single_process_world  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "step_counts_cpu.json"
 OPTIMIZERS = ("adam", "muon", "muon_md", "adam_md", "manifold_muon")
+# Not views by their schema, but they only relabel a fresh tensor's shape (a reshape that had to copy returns
+# one): no kernel runs, so they are counted with the views.
+METADATA_ONLY = ("aten._unsafe_view.default",)
 OPTIMIZER_FLAGS = {"manifold_muon": {"geometry": "hetero"}}  # the geometry the trainer's examples use
 
 # Counted models: the preset whose structure is kept, and experts per process. "moe-6.7b-ep8" is one rank
@@ -74,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--check-width", type=int, default=48, metavar="HIDDEN",
                     help="count the first preset again at this width and twice the vocabulary; 0: skip")
     ap.add_argument("--warmup", type=int, default=2, help="uncounted steps before the counted one")
+    ap.add_argument("--device-path", choices=("cuda", "cpu"), default="cuda",
+                    help="where the code picks its path by device (DEVICE_PATHS), count the one CUDA takes "
+                    "(default) or the CPU one")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="results JSON (a .md table is written beside it)")
@@ -96,7 +102,8 @@ class OpCounter:
 
     Rule: every dispatch of an op that is not a view counts once (``func.is_view``: the schema's first
     return aliases an input without writing it — view, reshape-as-view, t, slice, select, split, unbind,
-    detach, alias ...; those launch no kernel), nor ``profiler::`` ops (``record_function`` annotations such as
+    detach, alias ...; those launch no kernel), nor ``aten._unsafe_view`` (a reshape's relabelling of a fresh
+    tensor, no kernel either), nor ``profiler::`` ops (``record_function`` annotations such as
     torch.optim's ``Optimizer.step#AdamW.step``). A ``torch._foreach_*`` op is one dispatch. A sync is an op
     tagged ``torch.Tag.data_dependent_output`` (``aten._local_scalar_dense``: ``.item()``, ``float(t)``,
     ``bool(t)``; ``aten.equal``), plus every call of ``Tensor.tolist``/``numpy``/``cpu``, which on the CPU
@@ -123,7 +130,7 @@ class OpCounter:
     def _dispatch(self, func):
         import torch
 
-        if func.is_view:
+        if func.is_view or str(func) in METADATA_ONLY:
             self.views += 1
             return
         if func.namespace == "profiler":
@@ -208,8 +215,39 @@ def model_config(model: str, optimizer: str, hidden: int, vocab: int, args):
     return resolve(spec["preset"], None, cli)
 
 
+@contextlib.contextmanager
+def device_path(kind: str):
+    """Make the code that chooses by device take ``kind``'s path while counting on the CPU runtime: Manifold
+    Muon branches on values only on CPU (``manifolds.host_branches``) and retracts DGram with fp64 eigh on CPU,
+    GEMMs elsewhere (``manifold_muon.retraction_for``)."""
+    from megatron_md.optim import manifold_muon, manifolds
+
+    if kind == "cpu" or not hasattr(manifolds, "host_branches"):  # (older code: one path everywhere)
+        yield
+        return
+    saved = manifolds.host_branches, manifold_muon.retraction_for
+    manifolds.host_branches = lambda device: False
+    manifold_muon.retraction_for = lambda hp, device: saved[1](hp, torch_device("cuda"))
+    try:
+        yield
+    finally:
+        manifolds.host_branches, manifold_muon.retraction_for = saved
+
+
+def torch_device(name: str):
+    import torch
+
+    return torch.device(name)
+
+
 def count_step(model: str, optimizer: str, hidden: int, vocab: int, args) -> dict:
-    """Build ``model`` with ``optimizer``, step ``--warmup`` times, count the next step."""
+    """Build ``model`` with ``optimizer``, step ``--warmup`` times, count the next step (on the device path
+    ``--device-path`` names)."""
+    with device_path(getattr(args, "device_path", "cuda")):
+        return _count_step(model, optimizer, hidden, vocab, args)
+
+
+def _count_step(model: str, optimizer: str, hidden: int, vocab: int, args) -> dict:
     import torch
 
     from megatron_md.training.build import build_optimizer, build_wrapped_model, global_batch_size
@@ -352,6 +390,7 @@ def run(args) -> dict:
                 "precision": ("fp32 parameters, megatron's plain optimizer" if args.fp32 else
                               "bf16 parameters, fp32 master weights, --use-distributed-optimizer"),
                 "world_size": 1, "runtime": "cpu (gloo)", "warmup": args.warmup, "seed": args.seed,
+                "device_path": args.device_path,
                 "counted": f"step {args.warmup + 1}: optimizer.step() and the LR scheduler's step",
                 "rule": OpCounter.__doc__.split("\n\n")[1].replace("\n    ", " ").strip(),
             },

@@ -30,7 +30,10 @@ def step_counts_markdown(result: dict, source: str | None = None, baseline: dict
         f"megatron-core {m['megatron_core'].split('+')[0]}, commit {commit}): {s['precision']}, world size 1, "
         f"the presets' structures at hidden {s['hidden_size']}, vocab {s['vocab_size']}"
         + (f" (`{source}`, {when})" if source else f" ({when})") + ". "
-        "Views are not counted; a `torch._foreach_*` op counts once; syncs include data-dependent shapes.",
+        + (" Where the code picks its path by device, the path CUDA takes (Manifold Muon's masked branches and "
+           "GEMM-only DGram retraction)." if s.get("device_path") == "cuda" else "")
+        + " Views (and `_unsafe_view`, which only relabels a shape) are not counted; a `torch._foreach_*` op counts "
+        "once; syncs include data-dependent shapes.",
         "",
     ]
     base_res = (baseline or {}).get("results", {})

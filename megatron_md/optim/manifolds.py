@@ -189,12 +189,14 @@ def retract_gram_ns(X: torch.Tensor, steps: int = 3) -> torch.Tensor:
     c = 1.0 / torch.diagonal(G, dim1=-2, dim2=-1).sqrt().clamp_min(_FLOOR)
     bound = (G.abs() * c.unsqueeze(-1) * c.unsqueeze(-2)).sum(dim=-1).amax(dim=-1, keepdim=True)
     T = torch.diag_embed(c * (2.0 / bound.clamp_min(2.0)).sqrt())
+    eye15 = (1.5 * eye).expand_as(G)  # fused multiply-adds below: 1.5 I - ½ H T (+ K) in one (b)addmm
+    fma = torch.addmm if G.ndim == 2 else torch.baddbmm
     for _ in range(steps):
         H = T.mT @ G
         h = torch.diagonal(H, dim1=-2, dim2=-1)
-        K = (H - H.mT) / (h.unsqueeze(-1) + h.unsqueeze(-2)).clamp_min(_FLOOR)
-        T = T @ (1.5 * eye - 0.5 * (H @ T) + K)
-    T = T @ (1.5 * eye - 0.5 * (T.mT @ G @ T))  # a last orthonormalisation (its error is quadratic)
+        K = (H - H.mT).div_((h.unsqueeze(-1) + h.unsqueeze(-2)).clamp_min_(_FLOOR))
+        T = T @ fma(K.add_(eye15), H, T, alpha=-0.5)
+    T = T @ fma(eye15, T.mT @ G, T, alpha=-0.5)  # a last orthonormalisation (its error is quadratic)
     sig = torch.diagonal(T.mT @ G, dim1=-2, dim2=-1).sort(dim=-1, descending=True).values
     return (X @ T) * sig.unsqueeze(-2)
 
