@@ -73,6 +73,7 @@ class Slab:
             for key, stacked in self.data.items():
                 s[key] = stacked[i]
         self.views = {key: [s[key] for s in states] for key in self.data}
+        self.buffers: dict[str, torch.Tensor] = {}  # CPU only: the step's stacks, reused (see ``buffer``)
         # one device->host read per counter, here only: the step then keeps host copies
         self.steps = {key: self.data[key].tolist() for key in COUNTERS if key in self.data}
         self.stamp()
@@ -99,6 +100,17 @@ class Slab:
             if any(s.get(key) is not v for s, v in zip(states, views)) or any(len(s) != len(self.data) for s in states):
                 return False
         return True
+
+    def buffer(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """An fp32 ``shape`` buffer for this step. On CPU the same one every step: a fresh allocation of this
+        size comes from the OS and costs a page fault per page, measured as much as five passes over it; on a
+        GPU the caching allocator already reuses memory, and a kept buffer would only hold it."""
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != shape:
+            buf = self.buffers[name] = torch.empty(shape, dtype=torch.float32, device=device)
+        return buf
 
     def step_of(self, key: str) -> int | float | None:
         """The bucket's counter (all matrices of a bucket step together), or None when they differ."""
@@ -197,13 +209,15 @@ def prepare(params: list[torch.Tensor], slab: Slab, hp: MDHyperParams, base: Bas
             blocks: list[Block]) -> BatchedPrepared:
     """``md.md_prepare`` on a stack: gain gradients with the old gains, Ĝ, and the base direction."""
     grads = [p.grad for p in params]
+    shape, device = torch.Size((len(params), *params[0].shape)), params[0].device
     W_is_param = len(params) == 1 and params[0].dtype == torch.float32
-    W = params[0].unsqueeze(0) if W_is_param else torch.stack(params).to(torch.float32)
-    G = grads[0].unsqueeze(0).to(torch.float32) if len(grads) == 1 else torch.stack(grads).to(torch.float32)
+    W = params[0].unsqueeze(0) if W_is_param else _stacked(params, slab.buffer("W", shape, device))
+    single = len(grads) == 1 and grads[0].dtype == torch.float32
+    G = grads[0].unsqueeze(0) if single else _stacked(grads, slab.buffer("G", shape, device))
     row, col = _gains(slab, hp)
     grads_out = {}
     if row is not None or col is not None:
-        work = G * W
+        work = torch.mul(G, W, out=slab.buffer("work", shape, device)) if device.type == "cpu" else G * W
         gp = gain_param(hp.gain_param)
         if "rho_flat" in slab.data:
             d = reducer.complete(work.sum(dim=(-2, -1)), "all").unsqueeze(-1).div_(row.view(-1, 1))
@@ -221,6 +235,14 @@ def prepare(params: list[torch.Tensor], slab: Slab, hp: MDHyperParams, base: Bas
         G_hat = G.clone() if base.writes_direction_grad and aliased else G
         scratch = G_hat if G_hat is not G or not aliased else None
     return BatchedPrepared(W, W_is_param, _direction(G_hat, slab, hp, base, scratch), grads_out, blocks, (row, col))
+
+
+def _stacked(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``tensors`` as one fp32 stack in ``out`` (cast on the way when they are not fp32)."""
+    if all(t.dtype == out.dtype for t in tensors):
+        return torch.stack(tensors, out=out)
+    torch._foreach_copy_(list(out.unbind(0)), tensors)
+    return out
 
 
 def _direction(G_hat: torch.Tensor, slab: Slab, hp: MDHyperParams, base: BaseUpdate,
