@@ -110,16 +110,19 @@ def retraction_candidates():
 
 
 def worker_retraction(spec: dict) -> dict:
-    """Each candidate on a batch of tall fp32 matrices (dense-181m's fc1 and fc2, tall-oriented): median ms
+    """Each candidate on a batch of tall fp32 DGram points after a step (dense-181m's fc1 and fc2): median ms
     over ``reps`` calls, and its off-diagonal Gram (the DGram constraint) and distance to the exact result."""
     import torch
 
     cuda = spec["device"] == "cuda"
     dev = torch.device(spec["device"])
-    gen = torch.Generator(device=dev).manual_seed(0)
+    from dgram_retraction import _point_after_step
+
     rows = []
     for batch, m, n in spec["shapes"]:
-        X = torch.randn(batch, m, n, device=dev, generator=gen) / m ** 0.5
+        # where a retraction runs: a DGram point moved by one step (lr 0.02), not a random matrix (from which
+        # the GEMM-only retraction is documented not to converge in its fixed steps)
+        X = _point_after_step(batch, m, n, 0.02, dev, seed=0)
         exact = None
         for name, fn in retraction_candidates():
             row = {"name": name, "shape": [batch, m, n]}
