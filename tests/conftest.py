@@ -12,6 +12,23 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 
+TE_KERNEL_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@pytest.fixture(autouse=True)
+def _te_kernel_variables():
+    """megatron-core sets Transformer Engine's NVTE_*_ATTN variables process-wide on every model build and asserts
+    that later builds agree: put them back after each test, so one test's attention backend cannot fail the
+    next test's build in the same process."""
+    saved = {name: os.environ.get(name) for name in TE_KERNEL_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture
 def mcore_world():
     """Yield after init of a world-1 gloo group, model-parallel state and seeds; tear down after."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import warnings
 
 import torch
@@ -158,13 +159,13 @@ def resolved_attention_backend(model_cfg, *, cpu: bool, use_te: bool) -> str:
 
 def attention_backend(model_cfg, *, cpu: bool, use_te: bool):
     """--attention-backend as megatron-core's AttnBackend. sdpa is ours (SDPAttention in the local spec, see
-    layer_spec): megatron gets AttnBackend.local, which with the local spec only turns TE's NVTE_* kernel
-    variables off, as for megatron's own local attention. (megatron asserts those variables agree across
-    the models a process builds, so sdpa and local must map alike to be built side by side.)"""
+    layer_spec): megatron gets its default, AttnBackend.auto, whose only effect with the local spec is to leave
+    Transformer Engine's NVTE_* kernel variables at TE's defaults, as a model built with megatron's defaults
+    in the same process expects (megatron asserts those variables agree across the models a process builds)."""
     from megatron.core.transformer.enums import AttnBackend
 
     name = resolved_attention_backend(model_cfg, cpu=cpu, use_te=use_te)
-    return AttnBackend.local if name == "sdpa" else AttnBackend[name]
+    return AttnBackend.auto if name == "sdpa" else AttnBackend[name]
 
 
 def recompute_settings(model_cfg) -> dict:
@@ -288,6 +289,9 @@ def layer_spec(model_cfg, config: TransformerConfig, *, use_te: bool) -> tuple[M
     return spec, norm
 
 
+TE_KERNEL_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
 def build_model(
     run_cfg,
     vocab_size: int,
@@ -308,6 +312,12 @@ def build_model(
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    if not use_te:
+        # GPTModel sets Transformer Engine's NVTE_*_ATTN kernel variables for its attention backend and asserts that
+        # earlier builds in the process agree. The local spec uses no TE kernel, so its builds (local and sdpa
+        # alike) start from TE's defaults: one process can build both, e.g. a checkpoint converted across them.
+        for name in TE_KERNEL_VARIABLES:
+            os.environ.pop(name, None)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block,

@@ -92,7 +92,7 @@ def test_moe_knobs_reach_transformer_config():
 
 def test_auto_attention_is_sdpa_with_the_local_spec_and_te_s_choice_under_te():
     """auto: TE's backend when TE builds the layers, SDPAttention in the local spec (CPU included); megatron
-    gets AttnBackend.local for sdpa; local keeps megatron's DotProductAttention; sdpa under TE is refused."""
+    gets AttnBackend.auto (its default) for sdpa; local keeps megatron's DotProductAttention; sdpa under TE is refused."""
     import pytest
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnBackend
@@ -104,8 +104,8 @@ def test_auto_attention_is_sdpa_with_the_local_spec_and_te_s_choice_under_te():
 
     assert resolved({}, cpu=True, use_te=False) == resolved({}, cpu=False, use_te=False) == "sdpa"
     assert resolved({}, cpu=False, use_te=True) == "auto"
-    assert _tc({}, cpu=True, use_te=False).attention_backend == AttnBackend.local
-    assert _tc({"attention_backend": "sdpa"}, cpu=False, use_te=False).attention_backend == AttnBackend.local
+    assert _tc({}, cpu=True, use_te=False).attention_backend == AttnBackend.auto
+    assert _tc({"attention_backend": "sdpa"}, cpu=False, use_te=False).attention_backend == AttnBackend.auto
     assert _tc({}, cpu=False, use_te=True).attention_backend == AttnBackend.auto
     with pytest.raises(ValueError, match="--attention-backend sdpa.*--transformer-impl local"):
         _tc({"attention_backend": "sdpa"}, cpu=False, use_te=True)

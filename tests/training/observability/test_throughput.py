@@ -14,7 +14,8 @@ def _counted_flops(preset: str, batch: int, seq: int) -> tuple[float, float, obj
     from megatron_md.models.builder import build_model
     from megatron_md.training.config import resolve
 
-    cfg = resolve(preset, None, {"seq_length": seq})
+    # megatron's own attention: its QK^T and AV are matmuls the counter sees (SDPA's CPU kernel hides them)
+    cfg = resolve(preset, None, {"seq_length": seq, "attention_backend": "local"})
     model = build_model(cfg, 4096, cpu=True)
     tokens = torch.randint(0, 4096, (batch, seq), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
