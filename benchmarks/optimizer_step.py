@@ -458,11 +458,13 @@ def run(args) -> dict:
         torch.set_num_threads(prev_threads)
 
 
-def write_results(result: dict, out: Path) -> tuple[Path, Path]:
+def write_results(result: dict, out: Path, table: str = "optimizer_step_markdown") -> tuple[Path, Path]:
+    """The result as JSON at ``out`` and its table (``table``: a function of tools/render_readme_tables.py) beside
+    it as ``.md``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     md = out.with_suffix(".md")
-    md.write_text(_renderer().optimizer_step_markdown(result, source=out.name) + "\n")
+    md.write_text(getattr(_renderer(), table)(result, source=out.name) + "\n")
     return out, md
 
 

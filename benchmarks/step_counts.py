@@ -23,7 +23,6 @@ import argparse
 import collections
 import contextlib
 import datetime
-import importlib.util
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import optimizer_step  # noqa: E402
 from optimizer_step import machine_info, single_process_world  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -220,6 +220,8 @@ def device_path(kind: str):
     """Make the code that chooses by device take ``kind``'s path while counting on the CPU runtime: Manifold
     Muon branches on values only on CPU (``manifolds.host_branches``) and retracts DGram with fp64 eigh on CPU,
     GEMMs elsewhere (``manifold_muon.retraction_for``)."""
+    import torch
+
     from megatron_md.optim import manifold_muon, manifolds
 
     if kind == "cpu" or not hasattr(manifolds, "host_branches"):  # (older code: one path everywhere)
@@ -227,17 +229,11 @@ def device_path(kind: str):
         return
     saved = manifolds.host_branches, manifold_muon.retraction_for
     manifolds.host_branches = lambda device: False
-    manifold_muon.retraction_for = lambda hp, device: saved[1](hp, torch_device("cuda"))
+    manifold_muon.retraction_for = lambda hp, device: saved[1](hp, torch.device("cuda"))
     try:
         yield
     finally:
         manifolds.host_branches, manifold_muon.retraction_for = saved
-
-
-def torch_device(name: str):
-    import torch
-
-    return torch.device(name)
 
 
 def count_step(model: str, optimizer: str, hidden: int, vocab: int, args) -> dict:
@@ -410,19 +406,8 @@ APPROXIMATION = {
 }
 
 
-def _renderer():
-    spec = importlib.util.spec_from_file_location("render_readme_tables", REPO / "tools" / "render_readme_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def write_results(result: dict, out: Path) -> tuple[Path, Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    md = out.with_suffix(".md")
-    md.write_text(_renderer().step_counts_markdown(result, source=out.name) + "\n")
-    return out, md
+    return optimizer_step.write_results(result, out, table="step_counts_markdown")
 
 
 def main(argv=None) -> int:
