@@ -11,7 +11,7 @@ from typing import Optional
 
 RANGES = {">=1": (lambda v: v >= 1, "must be >= 1"), ">=0": (lambda v: v >= 0, "must be >= 0"),
           ">0": (lambda v: v > 0, "must be > 0"), "[0,1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-          "(0,1]": (lambda v: 0 < v <= 1, "must be in (0, 1]")}
+          "(0,1]": (lambda v: 0 < v <= 1, "must be in (0, 1]"), "[0,1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]")}
 
 
 def opt(default, help: str, choices=None, nargs=None, valid: Optional[str] = None):

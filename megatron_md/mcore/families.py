@@ -57,8 +57,12 @@ class OptimizerFamily:
 
     def validate(self, cfg, need: Callable[[bool, str], None]) -> None:
         name = cfg.optimizer.optimizer
+        o = cfg.optimizer
+        if o.qk_clip and self.holds_md_groups and not cfg.model.qk_layernorm:
+            need(o.md.md_gains in ("rowcol", "row", "embed"),
+                 f"--qk-clip without --qk-layernorm scales MD's row gains of the query and key rows, and --md-gains "
+                 f"{o.md.md_gains} has none: use --md-gains rowcol or row, or drop --qk-clip")
         if not self.holds_md_groups:
-            o = cfg.optimizer
             for flag in ("md_preserve_init", "md_tangent_grad", "md_normalize_update"):
                 need(not getattr(o.md, flag), f"--{flag.replace('_', '-')} is an MD option; it needs --optimizer "
                      f"{', '.join(MDFamily.names)} (or manifold_muon with MD groups), not {name}")

@@ -158,6 +158,43 @@ class MegatronManifoldMuon(MegatronMD):
         finish_manifold_steps(pending)
         return loss
 
+    def _manifold_group_of(self, p: torch.Tensor) -> dict | None:
+        for group in self.param_groups:
+            if _is_manifold_group(group) and any(q is p for q in group["params"]):
+                return group
+        return None
+
+    def _geometry_of(self, p: torch.Tensor, group: dict) -> str:
+        return self.geometry_override.get(getattr(p, "md_key", None) or "", group["manifold"])
+
+    def check_scale_rows(self, p: torch.Tensor) -> str:
+        group = self._manifold_group_of(p)
+        if group is None:
+            return super().check_scale_rows(p)
+        geometry = self._geometry_of(p, group)
+        if geometry == "stiefel":
+            return ("Stiefel: left alone (every singular value is pinned at 1, and the retraction would undo a row "
+                    "factor)")
+        if geometry == "none":
+            return "unconstrained: the rows scaled"
+        return f"{geometry}: the rows scaled, then retracted onto the manifold"
+
+    @torch.no_grad()
+    def scale_rows_(self, p: torch.Tensor, factors: torch.Tensor) -> None:
+        """QK-clip on a manifold matrix: the row factors, then the retraction (a per-head row factor does not
+        keep DGram's columns orthogonal); Stiefel matrices are left alone (σ = 1 already bounds their logits
+        by the inputs' norms, and the retraction would return the same scale)."""
+        group = self._manifold_group_of(p)
+        if group is None:
+            return super().scale_rows_(p, factors)
+        geometry = self._geometry_of(p, group)
+        if geometry == "stiefel":
+            return
+        p.mul_(factors.unsqueeze(1).to(p.dtype))
+        r = self.reducer_for(p)
+        project_sharded_(p, dataclasses.replace(ManifoldHyperParams.from_group(group), manifold=geometry),
+                         r.group, r.dim)
+
     def state_dict(self):
         sd = super().state_dict()
         sd["state"] = {i: {k: v for k, v in s.items() if k not in MM_STATE_KEYS} for i, s in sd["state"].items()}

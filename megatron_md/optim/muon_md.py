@@ -35,7 +35,10 @@ from .md import (
     recover_direction,
 )
 from .msign import msign
+from .qk_clip import scale_row_gains_
 from .sphere import LOCAL_REDUCER, Reducer
+
+ROW_GAIN_MODES = ("rowcol", "row")  # gain layouts (``embed`` resolved) with a gain per row of the QKV matrix
 
 
 class MDOptimizer(torch.optim.Optimizer):
@@ -210,6 +213,28 @@ class MDOptimizer(torch.optim.Optimizer):
             return None
         self._slabs[key] = slab
         return slab
+
+    # --- QK-clip -------------------------------------------------------------------------------
+    def check_scale_rows(self, p: torch.Tensor) -> str:
+        """Before training: how ``scale_rows_`` will treat ``p`` (a line for the log), or a ValueError naming
+        the flag when it cannot."""
+        hp = self._hp_of(p)
+        if hp.gains_mode not in ROW_GAIN_MODES:
+            raise ValueError(f"--qk-clip scales MD's row gains of the query and key rows, and --md-gains "
+                             f"{hp.gains_mode} gives the QKV matrix none: use --md-gains rowcol or row, or drop "
+                             "--qk-clip (a row factor on the fused weight alone would be undone when the next "
+                             "step puts the direction back on its sphere)")
+        return "MD: into the Q/K row gains (the direction stays on its sphere)"
+
+    @torch.no_grad()
+    def scale_rows_(self, p: torch.Tensor, factors: torch.Tensor) -> None:
+        """QK-clip's row ``factors`` on ``p``: into its row gains and its rows (``optim/qk_clip.py``). A stacked
+        state (``md_batched.Slab``) that was current stays current: this write is accounted for."""
+        current = [s for s in self._slabs.values() if any(q is p for q in s.params)
+                   and all(s.data[k]._version == s.versions[k] for k in s.data)]
+        scale_row_gains_(p, self.state[p], self._hp_of(p), factors)
+        for slab in current:
+            slab.stamp()
 
     # --- inspection ----------------------------------------------------------------------------
     def _hp_of(self, p: torch.Tensor) -> MDHyperParams:

@@ -163,6 +163,13 @@ class SharedOptimConfig:
     adam_beta1: float = opt(0.9, "Adam beta1.", valid="[0,1)")
     adam_beta2: float = opt(0.95, "Adam beta2.", valid="[0,1)")
     adam_eps: float = opt(1e-8, "Adam epsilon.", valid=">0")
+    qk_clip: bool = opt(
+        False, "QK-clip (MuonClip): after each step, every layer whose largest pre-softmax attention logit exceeded "
+        "--qk-clip-threshold has its query/key scale brought back to it (docs/qk_clip.md: which weights, per "
+        "optimizer).")
+    qk_clip_threshold: float = opt(100.0, "QK-clip: the largest attention logit a head keeps (τ).", valid=">0")
+    qk_clip_alpha: float = opt(
+        0.5, "QK-clip: the queries take η^α of the factor η = τ/max, the keys η^(1-α).", valid="[0,1]")
 
 
 # OptimConfig: the shared settings plus one typed section per family (``cfg.optimizer.md.md_sphere``); a new
@@ -271,6 +278,9 @@ class LoggingConfig:
         None, "W&B mode (else WANDB_MODE; else online with a project, offline without).", ["offline", "online", "disabled"]
     )
     progress_bar: Optional[bool] = opt(None, "Show a progress bar (default: when stderr is a tty).")
+    log_max_logit: bool = opt(
+        True, "Log the largest attention logit (max_logit, max_logit/L<i>) on logged steps; measured every step "
+        "with --qk-clip. --no-log-max-logit turns it off without --qk-clip (docs/qk_clip.md gives its cost).")
     diagnostics_interval: int = opt(
         100, "Every N steps log per-matrix σ_max/σ_min/‖Off(WᵀW)‖/‖W‖, MD gains, attention max logit "
         "and entropy (0: off; rounded up to a multiple of --log-interval).", valid=">=0"

@@ -124,6 +124,7 @@ class Trainer:
         from megatron_md.training.observability.diagnostics import AttentionProbe
 
         self.probe = AttentionProbe(ckpt.unwrap(self.model)) if cfg.logging.diagnostics_interval else None
+        self.qk = self._qk_clip()
         self.preemption = PreemptionWatch(cfg.training.exit_signal_handler)
         self.preempted_by: str | None = None
         self.timed_out = False
@@ -138,6 +139,17 @@ class Trainer:
             + (f"{self.peak_tflops:.3g} TFLOP/s per device ({peak_source})" if self.peak_tflops else peak_source))
 
     # -- setup
+
+    def _qk_clip(self):
+        o = self.cfg.optimizer
+        if not (o.qk_clip or self.cfg.logging.log_max_logit):
+            return None
+        from megatron_md.mcore.qk_clip import QKClip
+
+        qk = QKClip(self.model, self.optimizer, clip=o.qk_clip, threshold=o.qk_clip_threshold,
+                    alpha=o.qk_clip_alpha, num_layers=self.cfg.model.num_layers)
+        self.logger.print(qk.describe())
+        return qk
 
     def _run_dir(self) -> Path:
         lg = self.cfg.logging
@@ -233,6 +245,8 @@ class Trainer:
         it = self.state.iteration + 1
         if self.probe is not None:
             self.probe.armed = self._diagnostics_due(it)
+        if self.qk is not None:
+            self.qk.arm(it % self.cfg.logging.log_interval == 0 or it == t.train_iters)
         nan_now = t.inject_nan_at is not None and t.inject_nan_at <= it < t.inject_nan_at + t.inject_nan_iters
         losses = self.forward_backward(
             forward_step_func=make_forward_step(nan_now),
@@ -247,11 +261,17 @@ class Trainer:
         if self.probe is not None:
             self.probe.armed = False
         if not all_finite(self.model, loss):
+            if self.qk is not None:
+                self.qk.discard()
             self.optimizer.zero_grad()
             self.model.zero_grad_buffer()
             return loss, None, False
+        if self.qk is not None:
+            self.qk.before_step()  # this step's maxima over ranks; the factors the step applies
         with self.opt_timer:
             ok, grad_norm, _ = self.optimizer.step()
+        if self.qk is not None:
+            self.qk.after_step()
         if ok:
             self.scheduler.step(increment=self.step_gbs)
         return loss, grad_norm, bool(ok)
@@ -464,6 +484,8 @@ class Trainer:
             rec.update(diag)
             for line in self.hooks.observe(self.optimizer, diag):
                 self.logger.print(line)
+        if self.qk is not None:
+            rec.update(self.qk.log_fields(self.rt.device))
         matrix_lr = self._group_lr("hidden") or self._group_lr("manifold")
         if matrix_lr is not None:
             rec["matrix_lr"] = matrix_lr

@@ -77,6 +77,10 @@ def fmt_log_line(rec: dict, train_iters: int) -> str:
             parts.append(f"{label}: {rec[key]:.6E}")
     if rec.get("moe_expert_load_max") is not None:
         parts.append(f"expert load max/min vs mean: {rec['moe_expert_load_max']:.2f}/{rec['moe_expert_load_min']:.2f}")
+    if rec.get("max_logit") is not None:
+        parts.append(f"max logit: {rec['max_logit']:.4g}")
+    if rec.get("qk_clip_layers") is not None:
+        parts.append(f"qk-clipped layer-steps: {rec['qk_clip_layers']}")
     parts += [
         f"grad norm: {rec['grad_norm']:.3f}" if rec["grad_norm"] is not None else "grad norm: n/a",
         f"number of skipped iterations: {rec['skipped']:3d}",
