@@ -17,8 +17,9 @@ Each generated block sits between two marker lines, in whichever of README.md an
 ``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``plan``:
 ``benchmarks/results/plan_8xh100.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``).
 ``records_*``: the judged ``records/<date>-<kind>/`` of each kind, summarised and judged by
-``megatron_md.sweep.records`` from their CSVs and cells' metrics.jsonl. Links in a block are written from the
-repository root and made relative to the page it lands in (``../records/...`` in docs/).
+``megatron_md.sweep.records`` (``qk-clip``: ``megatron_md.sweep.qk_clip_records``) from their CSVs and cells'
+metrics.jsonl. Links in a block are written from the repository root and made relative to the page it lands in
+(``../records/...`` in docs/).
 Standard library only: no torch import.
 
 Each ``records/<date>-<kind>/README.md`` with a ``record_summary`` block gets that record's table, and
@@ -197,13 +198,26 @@ def render_regime_probe(repo: Path, rec: Path | None = None) -> str:
             + curvature_markdown(curvature(rows)))
 
 
+def render_qk_clip(repo: Path, rec: Path | None = None) -> str:
+    R = _records()
+    rec = rec or R.latest(repo, "qk-clip")
+    if rec is None:
+        return _no_record("qk-clip")
+    from megatron_md.sweep import qk_clip_records
+
+    return qk_clip_records.render(repo, rec)
+
+
 def render_claims(repo: Path, only: Path | None = None) -> str:
     """Every claim of the judged records (records.judged), or (``only``) the claims that one record judges."""
     R = _records()
+    from megatron_md.sweep import qk_clip_records
+
     claims = []
     transfer = R.latest(repo, "lr-transfer")  # the ablations compare against its Muon
     judges = {"lr-transfer": R.lr_transfer_claims, "manifold-geometry": R.manifold_claims,
-              "md-ablations": lambda rec, rel: R.ablation_claims(rec, rel, transfer)}
+              "md-ablations": lambda rec, rel: R.ablation_claims(rec, rel, transfer),
+              "qk-clip": lambda rec, rel: qk_clip_records.claims(rec, rel, repo)}
     for kind in CLAIM_KINDS:
         for rec in R.judged(repo, kind):
             if only is None or Path(only).resolve() == rec.resolve():
@@ -250,6 +264,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
                                          "final loss vs matrix LR per MuonMD variant"),
     "records_manifold": with_figures(render_manifold, "manifold-geometry", "spectra_*.png",
                                      "attention and MLP σ_max, max attention logit"),
+    "records_qk_clip": with_figures(render_qk_clip, "qk-clip", "max_logit*.png",
+                                    "max attention logit with and without QK-clip"),
 }
 
 
@@ -338,8 +354,9 @@ def render(text: str, repo: Path, names=None, page: Path | None = None) -> str:
 
 
 RECORD_KINDS = {"lr-transfer": render_lr_transfer, "md-ablations": render_md_ablations,
-                "manifold-geometry": render_manifold, "regime-probe": render_regime_probe}
-CLAIM_KINDS = ("lr-transfer", "md-ablations", "manifold-geometry")  # a probe judges no claim of the papers
+                "manifold-geometry": render_manifold, "regime-probe": render_regime_probe,
+                "qk-clip": render_qk_clip}
+CLAIM_KINDS = ("lr-transfer", "md-ablations", "manifold-geometry", "qk-clip")  # a probe judges no claim of the papers
 
 
 def record_kind(name: str):

@@ -34,7 +34,8 @@ SPIKE_NATS = 1.0  # a logged train loss this far above its running minimum count
 
 
 RESULTS_GLOB = {"lr-transfer": "results.csv", "md-ablations": "variants/*/results.csv",
-                "manifold-geometry": "*/*/results.csv", "regime-probe": "results.csv"}
+                "manifold-geometry": "*/*/results.csv", "regime-probe": "results.csv",
+                "qk-clip": "*/*/results.csv"}  # qk-clip: tables and claims in qk_clip_records.py
 
 
 # A record still being run (over several sessions) holds this file, saying what is left: its cells are kept as
