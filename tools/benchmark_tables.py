@@ -303,3 +303,30 @@ def render_gpu_bench(repo: Path) -> str:
     except json.JSONDecodeError as e:
         raise SystemExit(f"{path}: not valid JSON ({e})")
     return gpu_bench_markdown(result, source=GPU_BENCH_RESULT)
+
+
+# ----------------------------------------------------------------------------- max_logit_cost
+
+MAX_LOGIT_COST_RESULT = "benchmarks/results/max_logit_cost_cpu.json"
+
+
+def max_logit_cost_markdown(result: dict, source: str) -> str:
+    m = result.get("machine", {})
+    lines = [f"From `{source}` ({result.get('date', '?')}, {m.get('cpu', 'CPU')}, {result.get('threads')} thread(s), "
+             f"median of {result.get('repeats')}; fp32, batch 1, one rank's heads, head dim 128). Attention = the "
+             "core attention's forward + backward; probe = the no-grad measurement of every head's largest logit.",
+             "", "| preset | heads / groups | sequence | sdpa (ms) | probe: chunked Q·Kᵀ (ms) | share | local (ms) "
+             "| probe: its scores (ms) | share |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ms = r["ms"]
+        lines.append(f"| {r['preset']} | {r['heads']} / {r['groups']} | {r['seq']} | {ms['sdpa']:.1f} | "
+                     f"{ms['probe_qk']:.1f} | {100 * r['sdpa_share']:.1f}% | {ms['local']:.1f} | "
+                     f"{ms['probe_scores']:.1f} | {100 * r['local_share']:.1f}% |")
+    return "\n".join(lines)
+
+
+def render_max_logit_cost(repo: Path) -> str:
+    path = repo / MAX_LOGIT_COST_RESULT
+    if not path.exists():
+        return "_No results yet: run `python benchmarks/max_logit_cost.py --threads 1`._"
+    return max_logit_cost_markdown(json.loads(path.read_text()), MAX_LOGIT_COST_RESULT)

@@ -16,6 +16,7 @@ Each generated block sits between two marker lines, in whichever of README.md an
 ``tools/step_counts_tables.py``). ``gpu_bench``: ``benchmarks/results/gpu_bench_h200.json`` from
 ``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``plan``:
 ``benchmarks/results/plan_8xh100.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``).
+``max_logit_cost``: ``benchmarks/results/max_logit_cost_cpu.json`` from ``benchmarks/max_logit_cost.py``.
 ``records_*``: the judged ``records/<date>-<kind>/`` of each kind, summarised and judged by
 ``megatron_md.sweep.records`` (``qk-clip``: ``megatron_md.sweep.qk_clip_records``) from their CSVs and cells'
 metrics.jsonl. Links in a block are written from the repository root and made relative to the page it lands in
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_tables import (  # noqa: E402,F401  (re-exported)
     GPU_BENCH_RESULT, gpu_bench_markdown, optimizer_state_markdown, optimizer_step_markdown, render_gpu_bench,
-    render_optimizer_state, render_optimizer_step,
+    render_max_logit_cost, render_optimizer_state, render_optimizer_step,
 )
 from ns_engine_tables import ns_engine_markdown, render_ns_engine  # noqa: E402,F401  (re-exported)
 from plan_tables import render_plan  # noqa: E402
@@ -255,6 +256,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "ns_engine": render_ns_engine,
     "step_counts": render_step_counts,
     "gpu_bench": render_gpu_bench,
+    "max_logit_cost": render_max_logit_cost,
     "plan": render_plan,
     "records_claims": render_claims,
     "records_regime_probe": render_regime_probe,

@@ -64,17 +64,19 @@ def head_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.
     rep = h // g
     best = torch.full((h,), NEG_INF, dtype=torch.float32, device=q.device)
     rows = max(1, block_elems // max(1, h * sk))
+    causal_only = causal and mask is None and sq > 1
     for bi in range(b):
         kb = k[:, bi].float()  # [sk, g, d]
         for q0 in range(0, sq, rows):
             q1 = min(sq, q0 + rows)
+            t1 = q1 if causal_only else sk  # causal: keys after the chunk's last query are never visible
             qb = q[q0:q1, bi].float().reshape(q1 - q0, g, rep, d)
-            logits = torch.einsum("cgrd,tgd->grct", qb, kb).reshape(h, q1 - q0, sk)
+            logits = torch.einsum("cgrd,tgd->grct", qb, kb[:t1]).reshape(h, q1 - q0, t1)
             if mask is not None:
                 mb = mask[bi if mask.shape[0] > 1 else 0]  # [1 | heads, sq, sk]
                 logits.masked_fill_(mb[:, q0:q1, :], NEG_INF)
-            elif causal and sq > 1:
-                logits.masked_fill_(_causal_masked(q0, q1, sk, logits.device), NEG_INF)
+            elif causal_only:
+                logits.masked_fill_(_causal_masked(q0, q1, t1, logits.device), NEG_INF)
             best = torch.maximum(best, logits.amax(dim=(1, 2)))
     return best * scale
 

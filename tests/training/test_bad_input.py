@@ -115,7 +115,7 @@ def _out_of_range(f) -> str:
     """A value just outside the field's declared range."""
     from megatron_md.training.config import _base_type
 
-    bad = {">=1": 0, ">=0": -1, ">0": 0, "[0,1)": 1, "(0,1]": 0}[f.metadata["valid"]]
+    bad = {">=1": 0, ">=0": -1, ">0": 0, "[0,1)": 1, "(0,1]": 0, "[0,1]": 1.5}[f.metadata["valid"]]
     return str(bad if _base_type(f.type) is int else float(bad))
 
 
