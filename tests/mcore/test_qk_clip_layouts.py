@@ -9,7 +9,9 @@ from mdtest import QUIET, run_cli, train_records
 
 pytestmark = pytest.mark.multirank
 
-# τ below the first steps' logits (~0.1-5 at these shapes): layers clip at every step
+# τ below the first step's logits (~0.1-5 at these shapes): every layer clips at step 1. Later steps clip where the
+# step took a logit back over τ (with QK-norm the clip leaves each layer's largest logit at τ exactly, so not every
+# step); each test asserts clips after the first step too.
 CLIP = ["--qk-clip", "--qk-clip-threshold", "0.05", "--qk-clip-alpha", "0.4"]
 BASE = ["--mock-data", "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
         "--log-interval", "1", "--eval-iters", "1", *QUIET]
@@ -40,7 +42,7 @@ def test_tensor_parallel_clips_like_one_rank(tmp_path, case):
     one = _run(tmp_path, "tp1", model, flags, *steps)
     two = _run(tmp_path, "tp2", model, flags, *steps, "--nproc-per-node", "2", "--tensor-model-parallel-size", "2")
     clipped = [r["qk_clip_layers"] for r in one]
-    assert clipped == [r["qk_clip_layers"] for r in two] and min(clipped) >= 1 and clipped[0] == 2
+    assert clipped == [r["qk_clip_layers"] for r in two] and clipped[0] == 2 and sum(clipped[1:]) >= 1
     for a, b in zip(_losses(two), _losses(one), strict=True):
         assert a == pytest.approx(b, rel=1e-5)
     for a, b in zip(two, one):  # the logged maxima (before each step's clip) agree too
@@ -49,7 +51,7 @@ def test_tensor_parallel_clips_like_one_rank(tmp_path, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_distributed_optimizer_bf16_resume_is_bit_identical(tmp_path, case):
-    """DP2, bf16, --use-distributed-optimizer, clipping every step: 4 steps straight (saving at 2) against 2 +
+    """DP2, bf16, --use-distributed-optimizer, clipping from the first step: 4 steps straight (saving at 2) against 2 +
     resume + 2; bit-identical losses and logged maxima. A clip that reached only the bf16 weight would be undone by
     the next step's copy from the fp32 master, and the straight run would differ from an unclipped one only
     transiently: for the byte-sharded Adam (megatron's own QK-clip loses the clip there, NVIDIA/Megatron-LM#7382)
@@ -62,7 +64,8 @@ def test_distributed_optimizer_bf16_resume_is_bit_identical(tmp_path, case):
     resumed = _run(tmp_path, "resumed", model, flags, *dist, "--load", str(ck))
     assert _losses(resumed) == _losses(straight)[2:]
     assert [r["max_logit"] for r in resumed] == [r["max_logit"] for r in straight][2:]
-    assert all(r["qk_clip_layers"] >= 1 for r in straight)
+    # clips before the save (the masters must carry them) and after it (the resumed run must repeat them)
+    assert straight[0]["qk_clip_layers"] == 2 and sum(r["qk_clip_layers"] for r in straight[2:]) >= 1
     if case != "adam-rows":
         return
     unclipped_dir = tmp_path / "run-unclipped"
