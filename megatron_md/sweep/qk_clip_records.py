@@ -7,8 +7,10 @@ Two parts, told apart by their directory names:
   record. Logits are compared on the diagnostics' ``diag/L*.max_logit``, which both records log.
 - B, ``<set>/tau<τ>/results.csv``: one ``lr-sweep`` curve at one LR per threshold τ. Their train records carry
   ``max_logit`` (over layers, before that step's clip) and ``qk_clip_layers`` (layer-steps clipped since the
-  previous record). The largest τ is meant never to fire: its losses should equal, bit for bit, the same cells
-  of the newest ``*-lr-transfer`` record that has them (runs made before QK-clip existed).
+  previous record). The largest τ is meant never to fire: its losses should equal, bit for bit, those of the
+  control ``<set>/off/results.csv`` (the same cells with neither the clip nor the probe, run on the same code);
+  a set without a control is compared with the newest ``*-lr-transfer`` record holding the cells, whose code
+  may differ in rounding.
 
 Standard library only (the README renderer uses it).
 """
@@ -118,18 +120,47 @@ def _key(r: dict) -> tuple:
             r["weight_decay"], r["steps"])
 
 
-def sameness(repo: Path, rows: list[dict]) -> tuple[Optional[Path], int, int, list]:
+CONTROL = "off"  # part B's arm without the clip and without the probe
+
+
+def control_rows(rec: Path, set_name: str) -> list[dict]:
+    path = Path(rec) / set_name / CONTROL / "results.csv"
+    return read_csv(path) if path.is_file() else []
+
+
+def _compare(rows: list[dict], reference: list[dict]) -> tuple[int, int, list]:
+    theirs = {_key(r): r for r in reference}
+    pairs = [(r, theirs[_key(r)]) for r in rows if _key(r) in theirs]
+    differ = [(a, b) for a, b in pairs if a["final_eval_loss"] is None or a["final_eval_loss"] != b["final_eval_loss"]]
+    return len(pairs) - len(differ), len(rows) - len(pairs), differ
+
+
+def transfer_sameness(repo: Path, rows: list[dict]) -> tuple[Optional[Path], int, int, list]:
     """``rows``' final eval losses against the newest finished lr-transfer record holding any of their cells
     (same model, LR, seed, recipe and length): (that record or None, how many equal to the last bit, how many
     it lacks, [(row, its row there)] that differ)."""
     for ref in reversed(R.finished(repo, "lr-transfer")):
-        theirs = {_key(r): r for r in read_csv(ref / "results.csv")}
-        pairs = [(r, theirs[_key(r)]) for r in rows if _key(r) in theirs]
-        if pairs:
-            differ = [(a, b) for a, b in pairs if a["final_eval_loss"] is None
-                      or a["final_eval_loss"] != b["final_eval_loss"]]
-            return ref, len(pairs) - len(differ), len(rows) - len(pairs), differ
+        reference = read_csv(ref / "results.csv")
+        equal, missing, differ = _compare(rows, reference)
+        if missing < len(rows):
+            return ref, equal, missing, differ
     return None, 0, len(rows), []
+
+
+def sameness(repo: Path, rec: Path, set_name: str, rows: list[dict]) -> tuple[Optional[str], int, int, list]:
+    """Like ``transfer_sameness``, against the set's control arm when it has one: (what was compared with, as
+    text, or None; equal; missing; differ)."""
+    control = control_rows(rec, set_name)
+    if control:
+        return (f"`{set_name}/{CONTROL}`", *_compare(rows, control))
+    ref, equal, missing, differ = transfer_sameness(repo, rows)
+    return (None if ref is None else f"`{_rel(ref, repo)}`"), equal, missing, differ
+
+
+def _rel_diff(differ: list) -> str:
+    d = [abs(a["final_eval_loss"] - b["final_eval_loss"]) / abs(b["final_eval_loss"]) for a, b in differ
+         if a["final_eval_loss"] is not None and b["final_eval_loss"]]
+    return f"largest relative difference {max(d):.1e}" if d else "a loss missing"
 
 
 # ----------------------------------------------------------------------------- tables
@@ -196,17 +227,22 @@ def render_part_b(repo: Path, rec: Path, set_name: str) -> str:
              f"(k={k_of_lr(first['lr']):.3g}), {first['steps']} steps, seeds {', '.join(map(str, seeds))} "
              f"(`{_rel(rec, repo)}/{set_name}/`). Max logit: `max_logit`, the largest over layers before that "
              "step's clip, first logged → last (peak); clipped layer-steps: `qk_clip_layers` summed over the run; "
-             "both averaged over seeds. Last column: whether the final eval losses equal the lr-transfer record's "
-             "cells of the same LR and seeds bit for bit.", "",
-             "| QK-clip | final eval loss | max logit | clipped layer-steps | same losses as lr-transfer |",
+             "both averaged over seeds. Last column: whether the final eval losses equal, bit for bit, those of "
+             + (f"the control `{CONTROL}` (the same cells without QK-clip and without the probe, on the same code)."
+                if control_rows(rec, set_name) else "the lr-transfer record's cells of the same LR and seeds."), "",
+             "| QK-clip | final eval loss | max logit | clipped layer-steps | same final losses |",
              "|---|---|---|---|---|"]
     for tau, runs in by_tau.items():
-        ref, equal, missing, _ = sameness(repo, [r.row for r in runs])
-        same = "no lr-transfer cells to compare" if ref is None else (
-            f"{'same as' if equal == len(runs) else 'not the same as'} `{_rel(ref, repo)}` ({equal}/{len(runs)} "
+        ref, equal, missing, _ = sameness(repo, rec, set_name, [r.row for r in runs])
+        same = "nothing to compare with" if ref is None else (
+            f"{'same as' if equal == len(runs) else 'not the same as'} {ref} ({equal}/{len(runs)} "
             f"equal" + (f", {missing} not there)" if missing else ")"))
         lines.append(f"| τ {tau:g} | {_loss(_curve(runs))} | {_trio([r.logit for r in runs])} | "
                      f"{sum(r.clipped for r in runs) / len(runs):g} | {same} |")
+    control = control_rows(rec, set_name)
+    if control:
+        lines.append(f"| off, no probe | {_loss(_curve([TauRun(0.0, r, None, 0) for r in control]))} | – | – | "
+                     "(the control) |")
     return "\n".join(lines)
 
 
@@ -275,17 +311,23 @@ def _claims_b(repo: Path, rec: Path, rel: str, set_name: str) -> list[R.Claim]:
         out.append(R.Claim(f"QK-clip at τ {low_tau:g} changes {OPT_NAMES.get(opt, opt)}'s final loss ({label})",
                            R.HELD if v in (R.HELD, R.NOT_HELD) else R.INCONCLUSIVE,
                            f"{R._gap(f'(τ {idle_tau:g})−(τ {low_tau:g})', v, g, n)}: {way}", rel))
-    ref, equal, missing, differ = sameness(repo, [r.row for r in idle])
+    rows = [r.row for r in idle]
+    ref, equal, missing, differ = sameness(repo, rec, set_name, rows)
     quiet = sum(r.clipped == 0 for r in idle)
-    verdict = R.NOT_HELD if quiet < len(idle) or differ else R.INCONCLUSIVE if missing else R.HELD
+    verdict = R.NOT_HELD if quiet < len(idle) or differ else R.INCONCLUSIVE if missing or ref is None else R.HELD
     text = f"{quiet}/{len(idle)} τ {idle_tau:g} runs clipped no layer-step; "
     if ref is None:
-        text += "no lr-transfer record holds these cells"
+        text += "no control arm and no lr-transfer record holds these cells"
     else:
-        text += (f"final eval loss equal to `{_rel(ref, repo)}`'s cells in {equal}/{len(idle)}"
+        text += (f"final eval loss equal to {ref}'s in {equal}/{len(idle)}"
                  + (f", {missing} missing there" if missing else "")
                  + "".join(f"; seed {a['seed']}: {a['final_eval_loss']!r} ≠ {b['final_eval_loss']!r}"
                            for a, b in differ))
+    if control_rows(rec, set_name):  # the older record, made on other code, for context only
+        old, o_equal, _, o_differ = transfer_sameness(repo, rows)
+        if old is not None:
+            text += (f"; `{_rel(old, repo)}`'s cells (older code): {o_equal}/{len(rows)} equal"
+                     + (f", {_rel_diff(o_differ)}" if o_differ else ""))
     out.append(R.Claim(f"An idle QK-clip and max-logit logging leave training bit-identical ({label}, "
                        f"τ {idle_tau:g})", verdict, text, rel))
     return out

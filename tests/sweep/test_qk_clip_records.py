@@ -96,10 +96,15 @@ def _tau_curve(rec: Path, tau: int, losses: list[float], clips_per_log: int, log
     write_csv(d / "results.csv", rows, RESULT_COLUMNS)
 
 
-def _part_b(repo: Path, idle=TRANSFER, clipped=(2.60, 2.59, 2.61), idle_clips=0, transfer=True) -> Path:
+def _part_b(repo: Path, idle=TRANSFER, clipped=(2.60, 2.59, 2.61), idle_clips=0, transfer=True,
+            control=None) -> Path:
     rec = repo / "records" / "2026-01-02-qk-clip"
     _tau_curve(rec, 100, list(idle), idle_clips, 8.0)
     _tau_curve(rec, 4, list(clipped), 2, 4.5)
+    if control is not None:  # the "off" arm: no clip, no probe, on the same code
+        d = rec / "muon_md-w256" / "off"
+        d.mkdir(parents=True)
+        write_csv(d / "results.csv", [_row("muon_md", 256, s, x) for s, x in enumerate(control, 1)], RESULT_COLUMNS)
     if transfer:  # the same cells run before QK-clip existed, beside another LR
         t = repo / "records" / "2026-01-01-lr-transfer"
         t.mkdir(parents=True, exist_ok=True)
@@ -216,6 +221,29 @@ def test_idle_clip_is_bit_identical_to_the_lr_transfer_cells(tmp_path):
     # nothing to compare with
     claim = _claims(_part_b(tmp_path / "d", transfer=False), tmp_path / "d")[name]
     assert claim.verdict == R.INCONCLUSIVE and "no lr-transfer record" in claim.evidence
+
+
+def test_idle_clip_is_judged_against_the_control_arm_when_there_is_one(tmp_path):
+    name = "An idle QK-clip and max-logit logging leave training bit-identical"
+    # the control equals the idle runs; the older lr-transfer cells differ in the last digits (other code)
+    idle = [x * (1 + 1e-7) for x in TRANSFER]
+    rec = _part_b(tmp_path, idle=idle, control=idle)
+    claim = _claims(rec, tmp_path)[name]
+    assert claim.verdict == R.HELD, claim.evidence
+    assert "equal to `muon_md-w256/off`'s in 3/3" in claim.evidence, claim.evidence
+    assert "`records/2026-01-01-lr-transfer`'s cells (older code): 0/3 equal, largest relative difference 1.0e-07" \
+        in claim.evidence, claim.evidence
+    text = Q.render(tmp_path, rec)
+    assert _table_row(text, "τ 100")[4] == "same as `muon_md-w256/off` (3/3 equal)"
+    assert _table_row(text, "τ 4")[4] == "not the same as `muon_md-w256/off` (0/3 equal)"
+    assert _table_row(text, "off, no probe")[1] == _table_row(text, "τ 100")[1]
+    assert "the control `off`" in text
+    # one seed of the control differs: not held, whatever the older record says
+    control = [idle[0], math.nextafter(idle[1], 3.0), idle[2]]
+    rec = _part_b(tmp_path / "b", idle=TRANSFER, control=control)
+    claim = _claims(rec, tmp_path / "b")[name]
+    assert claim.verdict == R.NOT_HELD and "seed 1" in claim.evidence and "seed 2" in claim.evidence
+    assert "(older code): 3/3 equal" in claim.evidence, claim.evidence
 
 
 def test_render_blocks_and_record_readme(tmp_path):
