@@ -110,9 +110,13 @@ def tau_runs(rec: Path, set_name: str) -> dict[float, list[TauRun]]:
     return dict(sorted(out.items(), reverse=True))
 
 
-def _curve(runs: list[TauRun]) -> R.Best:
-    (best,) = R.best_per_curve([r.row for r in runs]).values()  # one optimizer, width and LR per τ
+def _best(rows: list[dict]) -> R.Best:
+    (best,) = R.best_per_curve(rows).values()  # one optimizer, width and LR per arm
     return best
+
+
+def _curve(runs: list[TauRun]) -> R.Best:
+    return _best([r.row for r in runs])
 
 
 def _key(r: dict) -> tuple:
@@ -147,10 +151,9 @@ def transfer_sameness(repo: Path, rows: list[dict]) -> tuple[Optional[Path], int
     return None, 0, len(rows), []
 
 
-def sameness(repo: Path, rec: Path, set_name: str, rows: list[dict]) -> tuple[Optional[str], int, int, list]:
-    """Like ``transfer_sameness``, against the set's control arm when it has one: (what was compared with, as
-    text, or None; equal; missing; differ)."""
-    control = control_rows(rec, set_name)
+def sameness(repo: Path, set_name: str, control: list[dict], rows: list[dict]) -> tuple[Optional[str], int, int, list]:
+    """Like ``transfer_sameness``, against the set's control arm's rows when it has any: (what was compared
+    with, as text, or None; equal; missing; differ)."""
     if control:
         return (f"`{set_name}/{CONTROL}`", *_compare(rows, control))
     ref, equal, missing, differ = transfer_sameness(repo, rows)
@@ -221,6 +224,7 @@ def render_part_b(repo: Path, rec: Path, set_name: str) -> str:
     by_tau = tau_runs(rec, set_name)
     if not by_tau:
         return ""
+    control = control_rows(rec, set_name)
     first = next(iter(by_tau.values()))[0].row
     seeds = sorted({r.row["seed"] for rs in by_tau.values() for r in rs})
     lines = [f"**{set_name}**: `{first['optimizer']}` width {first['width']}, LR {first['lr']:.4g} "
@@ -229,19 +233,18 @@ def render_part_b(repo: Path, rec: Path, set_name: str) -> str:
              "step's clip, first logged → last (peak); clipped layer-steps: `qk_clip_layers` summed over the run; "
              "both averaged over seeds. Last column: whether the final eval losses equal, bit for bit, those of "
              + (f"the control `{CONTROL}` (the same cells without QK-clip and without the probe, on the same code)."
-                if control_rows(rec, set_name) else "the lr-transfer record's cells of the same LR and seeds."), "",
+                if control else "the lr-transfer record's cells of the same LR and seeds."), "",
              "| QK-clip | final eval loss | max logit | clipped layer-steps | same final losses |",
              "|---|---|---|---|---|"]
     for tau, runs in by_tau.items():
-        ref, equal, missing, _ = sameness(repo, rec, set_name, [r.row for r in runs])
+        ref, equal, missing, _ = sameness(repo, set_name, control, [r.row for r in runs])
         same = "nothing to compare with" if ref is None else (
             f"{'same as' if equal == len(runs) else 'not the same as'} {ref} ({equal}/{len(runs)} "
             f"equal" + (f", {missing} not there)" if missing else ")"))
         lines.append(f"| τ {tau:g} | {_loss(_curve(runs))} | {_trio([r.logit for r in runs])} | "
                      f"{sum(r.clipped for r in runs) / len(runs):g} | {same} |")
-    control = control_rows(rec, set_name)
     if control:
-        lines.append(f"| off, no probe | {_loss(_curve([TauRun(0.0, r, None, 0) for r in control]))} | – | – | "
+        lines.append(f"| off, no probe | {_loss(_best(control))} | – | – | "
                      "(the control) |")
     return "\n".join(lines)
 
@@ -311,10 +314,10 @@ def _claims_b(repo: Path, rec: Path, rel: str, set_name: str) -> list[R.Claim]:
         out.append(R.Claim(f"QK-clip at τ {low_tau:g} changes {OPT_NAMES.get(opt, opt)}'s final loss ({label})",
                            R.HELD if v in (R.HELD, R.NOT_HELD) else R.INCONCLUSIVE,
                            f"{R._gap(f'(τ {idle_tau:g})−(τ {low_tau:g})', v, g, n)}: {way}", rel))
-    rows = [r.row for r in idle]
-    ref, equal, missing, differ = sameness(repo, rec, set_name, rows)
+    rows, control = [r.row for r in idle], control_rows(rec, set_name)
+    ref, equal, missing, differ = sameness(repo, set_name, control, rows)
     quiet = sum(r.clipped == 0 for r in idle)
-    verdict = R.NOT_HELD if quiet < len(idle) or differ else R.INCONCLUSIVE if missing or ref is None else R.HELD
+    verdict = R.NOT_HELD if quiet < len(idle) or differ else R.INCONCLUSIVE if missing else R.HELD
     text = f"{quiet}/{len(idle)} τ {idle_tau:g} runs clipped no layer-step; "
     if ref is None:
         text += "no control arm and no lr-transfer record holds these cells"
@@ -323,7 +326,7 @@ def _claims_b(repo: Path, rec: Path, rel: str, set_name: str) -> list[R.Claim]:
                  + (f", {missing} missing there" if missing else "")
                  + "".join(f"; seed {a['seed']}: {a['final_eval_loss']!r} ≠ {b['final_eval_loss']!r}"
                            for a, b in differ))
-    if control_rows(rec, set_name):  # the older record, made on other code, for context only
+    if control:  # the older record, made on other code, for context only
         old, o_equal, _, o_differ = transfer_sameness(repo, rows)
         if old is not None:
             text += (f"; `{_rel(old, repo)}`'s cells (older code): {o_equal}/{len(rows)} equal"
