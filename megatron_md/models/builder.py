@@ -32,34 +32,11 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_md.models.attention import SDPAttention
+from megatron_md.models.backends import (  # noqa: F401  (resolved_attention_backend: re-exported)
+    resolved_attention_backend,
+    use_transformer_engine,
+)
 from megatron_md.models.layers import SublayerOutput, TorchNorm
-
-
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # TE raises more than ImportError when its CUDA libraries are missing
-        return False
-    return True
-
-
-def use_transformer_engine(impl: str, cpu: bool) -> bool:
-    if impl == "local" or cpu:
-        if impl == "transformer_engine" and cpu:
-            raise ValueError(
-                "--transformer-impl transformer_engine needs CUDA; use --transformer-impl local "
-                "(or auto) with --device cpu"
-            )
-        return False
-    if impl == "transformer_engine":
-        if not transformer_engine_available():
-            raise ValueError(
-                "--transformer-impl transformer_engine: transformer_engine does not import; "
-                "install the 'gpu' extra (pip install 'megatron-md[gpu]') or use --transformer-impl local"
-            )
-        return True
-    return transformer_engine_available()
 
 
 # Apex / Megatron-LM CUDA extensions behind megatron-core's FusedScaleMaskSoftmax; none ships with megatron-core.
@@ -136,25 +113,6 @@ def fusion_settings(model_cfg, *, cpu: bool, use_te: bool, grouped: bool) -> dic
         cross_entropy_loss_fusion=on["cross_entropy_loss_fusion"],
         persist_layer_norm=on["persist_layer_norm"],
     )
-
-
-def resolved_attention_backend(model_cfg, *, cpu: bool, use_te: bool) -> str:
-    """--attention-backend as the run builds it, auto resolved: TE's choice ("auto") under TE layers, "sdpa"
-    with the local spec. Refuses a backend the layer spec cannot build, before any layer is built."""
-    name = model_cfg.attention_backend
-    if name in ("flash", "fused") and (cpu or not use_te):
-        raise ValueError(
-            f"--attention-backend {name} is a Transformer Engine kernel and needs CUDA with TE layers; "
-            "use --attention-backend sdpa (torch's fused attention), local (megatron-core's own) or auto"
-        )
-    if name in ("local", "sdpa") and use_te:
-        raise ValueError(
-            f"--attention-backend {name} plugs into megatron-core's local layer spec, which Transformer Engine "
-            "layers replace; add --transformer-impl local, or pick flash, fused, unfused or auto for TE"
-        )
-    if name == "auto":
-        return "auto" if use_te else "sdpa"
-    return name
 
 
 def attention_backend(model_cfg, *, cpu: bool, use_te: bool):

@@ -206,7 +206,7 @@ def attention_errors(cfg: RunConfig) -> list[str]:
     it, TE importing or not), so a backend the spec cannot take is refused before any process starts."""
     import torch
 
-    from megatron_md.models.builder import resolved_attention_backend, use_transformer_engine
+    from megatron_md.models.backends import resolved_attention_backend, use_transformer_engine
 
     m, device = cfg.model, cfg.training.device
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
