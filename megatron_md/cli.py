@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import signal
 import shutil
 import subprocess
@@ -18,12 +17,6 @@ from megatron_md.training.arguments import quiet_megatron, train_parser
 from megatron_md.training.checkpoints.preemption import PREEMPT_MARKER_ENV
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
@@ -31,13 +24,15 @@ def under_launcher() -> bool:
 def relaunch(nproc: int, argv: list[str]) -> int:
     """Re-run this command under torch's elastic launcher with ``nproc`` local processes.
 
+    ``--standalone``: the launcher's rendezvous store binds port 0 and hands its port to the workers, so two runs
+    started on one node at the same moment cannot pick the same port (a port probed free, then bound later, can).
+
     SIGTERM/SIGUSR1/SIGINT sent to this process go to the launcher, which forwards them to the workers
     (SIGUSR1 too, where this torch's launcher can: ``--signals-to-handle``); the workers then save and exit.
     """
     from torch.distributed.run import get_args_parser
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
     if "--signals-to-handle" in get_args_parser()._option_string_actions:
         cmd += ["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout", "600"]
     cmd += ["-m", "megatron_md.cli", *argv]
