@@ -29,6 +29,66 @@ def _te_kernel_variables():
             os.environ[name] = value
 
 
+# ----------------------------------------------------------------------------- how commands run
+# run_cli (tests/mdtest.py) runs `megatron-md train` and the other in-process commands in persistent gloo worlds
+# started once per pytest run (tests/harness/pool.py), unless the test is marked e2e or the run is given
+# --launch=cli: then every command goes through `python -m megatron_md.cli` and torchrun, as a user runs it.
+
+def pytest_addoption(parser):
+    parser.addoption("--launch", choices=("pool", "cli"), default="pool",
+                     help="pool (default): run megatron-md commands in persistent gloo worlds, except in tests "
+                          "marked e2e; cli: run every command through the real CLI and torchrun")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pool_and_shared_dirs(tmp_path_factory):
+    """The pool's job files and the shared baselines go in this run's temp dir; the pool ends with the run."""
+    from harness import shared
+    from harness.pool import POOL
+
+    base = tmp_path_factory.getbasetemp()
+    POOL.set_root(base / "pool")
+    shared.ROOT = base / "shared"
+    yield
+    POOL.close()
+
+
+def pytest_sessionfinish(session):
+    """A pooled job that left a global of megatron or megatron_md changed (tests/harness/reset.py's audit) fails the
+    run, whichever tests ran: the next job in that world may have computed something else than a fresh process."""
+    from harness.pool import POOL
+
+    if POOL.audit() and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config):
+    import mdtest
+
+    mdtest.LAUNCH = config.getoption("--launch")  # what fixtures of a wider scope run with, too
+
+
+@pytest.fixture(autouse=True)
+def _launch_mode(request):
+    import mdtest
+
+    default = request.config.getoption("--launch")
+    mdtest.LAUNCH = "cli" if request.node.get_closest_marker("e2e") is not None else default
+    yield
+    mdtest.LAUNCH = default
+
+
+def pytest_terminal_summary(terminalreporter):
+    from harness import shared
+    from harness.pool import POOL
+
+    lines = [POOL.summary(), shared.summary()]
+    for line in filter(None, lines):
+        terminalreporter.write_line(line)
+    for job, found in POOL.audit():
+        terminalreporter.write_line(f"pool audit FAILED after `{job[:200]}`: {'; '.join(found)}", red=True)
+
+
 @pytest.fixture
 def mcore_world():
     """Yield after init of a world-1 gloo group, model-parallel state and seeds; tear down after."""
@@ -120,10 +180,14 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/training/checkpoints/test_resume.py::test_score_reproduces_eval_loss": None,
     # shipped recipes through a checkpoint: kept the largest dense recipe, shrunk
     "tests/training/test_recipes.py::test_recipe_resumes_bit_identically": "md_paper/dense-1.29b_muon_md.yaml",
+    # attention kernels through training runs: kept the local-to-sdpa resume
+    "tests/models/test_attention.py::test_twenty_fp32_steps_match_the_local_backend": None,
     # install resolution: kept the NGC-container cases and the wheel
     "tests/test_install.py::test_this_environment_keeps_its_torch": None,
     "tests/test_install.py::test_pypi_te_wheels_stay": None,
     "tests/test_install.py::test_control_a_newer_te_would_replace_the_containers": None,
+    # the pooled worlds: kept the reset proof (a reused world equals a fresh one and the real CLI)
+    "tests/harness/test_pool.py::test_a_rank_that_raises_ends_its_world_and_the_next_job_gets_a_new_one": None,
     # SLURM smoke step run for real: kept test_smoke_step_runs_on_every_node_then_the_run_starts
     "tests/slurm/test_pretrain_sbatch.py::test_a_failed_smoke_step_stops_the_job_before_the_run": None,
 }
@@ -151,8 +215,39 @@ def pytest_collection_modifyitems(config, items):
                                 f"{', '.join(moved)}")
     if any("::" in str(a) for a in config.args):  # a run of chosen tests: nothing to compare with
         return
+    _check_end_to_end_cases(items)
+    if _whole_suite(config):
+        from harness.ids import missing
+
+        gone = missing({item.nodeid for item in items})
+        if gone:
+            raise pytest.UsageError(f"{len(gone)} test ids of tests/harness/baseline_ids.txt are no longer collected "
+                                    f"(map a renamed one in tests/harness/ids.py RENAMED): {', '.join(gone[:20])}")
     stale = [f"{k} (keep {v!r})" for k, v in FULL_ONLY.items() if k.split("::")[0] in files
              and (k not in seen or (v is not None and v not in seen[k]))]
     if stale:
         raise pytest.UsageError("tests/conftest.py FULL_ONLY names tests or cases that no longer exist "
                                 f"(renamed?): {', '.join(stale)}")
+
+
+def _whole_suite(config) -> bool:
+    """The run collects everything under tests/ (no paths named, or tests/ itself)."""
+    args = [Path(str(a)).resolve() for a in config.args]
+    return not args or args == [REPO / "tests"] or args == [REPO]
+
+
+def _check_end_to_end_cases(items) -> None:
+    """Every test file that runs megatron-md commands (run_cli) keeps a case marked e2e in `make test-all`, which
+    runs them through the real CLI and torchrun; its other cases may run in the pooled worlds."""
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    missing = []
+    for f, its in sorted(by_file.items()):
+        if not any(call in (REPO / f).read_text() for call in ("run_cli(", "shared_run(", "run_tool(")):
+            continue
+        if not any(i.get_closest_marker("e2e") and not i.get_closest_marker("slow") for i in its):
+            missing.append(f)
+    if missing:
+        raise pytest.UsageError("these test files run megatron-md commands but none of their cases in make test-all "
+                                f"is marked e2e (through the real CLI and torchrun): {', '.join(missing)}")

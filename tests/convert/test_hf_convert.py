@@ -9,17 +9,15 @@ without top-k renormalisation, Gemma3, GPT-2) from a freshly built model with pe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 
-from mdtest import QUIET, REPO, run_cli
+from mdtest import QUIET, run_cli, run_tool
 
 TOL = 1e-4
 TRAIN = [
@@ -29,14 +27,7 @@ TRAIN = [
 
 
 def convert(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"convert_checkpoint.py {args} exited {proc.returncode}\n{proc.stderr[-6000:]}")
-    return proc
+    return run_tool("tools/convert_checkpoint.py", args, check=check)
 
 
 def rel(a, b) -> float:
@@ -75,7 +66,9 @@ def _export_and_compare(ckpt, out, *extra):
 
 
 @pytest.mark.multirank
+@pytest.mark.e2e
 def test_dense_export_logits_and_tokenizer(runs):
+    """(e2e: tools/convert_checkpoint.py in a fresh interpreter, as a user runs it.)"""
     out = runs.dir / "hf_dense"
     report, cfg = _export_and_compare(runs.dense, out, "--max-shard-size", "100KB")
     assert report["family"] == "qwen3" and cfg["architectures"] == ["Qwen3ForCausalLM"]

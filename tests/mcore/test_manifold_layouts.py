@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from mdtest import QUIET, run_cli, train_records
+from mdtest import QUIET, run_cli, shared_run, train_records
 
 pytestmark = pytest.mark.multirank
 
@@ -25,10 +25,10 @@ def _run(tmp_path, name, nproc, *args):
 
 
 def _seed(tmp_path, model, geometry):
-    seed = tmp_path / f"seed-{model}-{geometry}"
-    run_cli(["train", "--model", model, *MM, "--geometry", geometry, "--train-iters", "0", "--save", str(seed),
-             "--run-dir", str(tmp_path / f"run-seed-{model}")])
-    return seed
+    """The seed checkpoint of ``model`` under ``geometry``: made once per pytest run, read-only."""
+    out = shared_run(["train", "--model", model, *MM, "--geometry", geometry, "--train-iters", "0", "--save",
+                      "{out}/seed", "--run-dir", "{out}/run"], name=f"manifold-seed-{model}-{geometry}")
+    return out / "seed"
 
 
 def test_tp2_and_ep2_match_one_rank(tmp_path):
@@ -63,6 +63,7 @@ def test_stiefel_pins_attention_sigma_dgram_lets_it_grow(tmp_path):
     json.dumps(dg)  # records stay plain JSON
 
 
+@pytest.mark.e2e
 def test_auto_policy_switches_and_logs(tmp_path):
     recs = _run(tmp_path, "auto", 1, "--model", "tiny-gpt2", "--geometry", "auto:all-dgram",
                 "--geometry-auto-sigma-max", "0.4", "--matrix-lr", "0.2", "--train-iters", "6",

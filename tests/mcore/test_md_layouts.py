@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from mdtest import QUIET, run_cli, train_records
+from mdtest import QUIET, run_cli, shared_run, train_records
 
 pytestmark = pytest.mark.multirank
 PER_MATRIX = "--md-per-matrix-step"
@@ -26,10 +26,10 @@ MD = [
 
 
 def _seed(tmp_path, model, *extra):
-    seed = tmp_path / f"seed-{model}"
-    run_cli(["train", "--model", model, *MD, *extra, "--train-iters", "0", "--save", str(seed),
-             "--run-dir", str(tmp_path / f"run-seed-{model}")])
-    return seed
+    """The seed checkpoint (muon_md's initial weights, on their spheres): made once per pytest run, read-only."""
+    out = shared_run(["train", "--model", model, *MD, *extra, "--train-iters", "0", "--save", "{out}/seed",
+                      "--run-dir", "{out}/run"], name=f"md-seed-{model}")
+    return out / "seed"
 
 
 def _losses(tmp_path, name, nproc, *args):
@@ -85,6 +85,7 @@ def test_layer_wise_distributed_optimizer(tmp_path):
     _same(_losses(tmp_path, "plain-dp1", 1, *run), ref)
 
 
+@pytest.mark.e2e
 def test_lion_base_with_the_authors_options_is_tp_independent(tmp_path):
     """lion_md with embed spheres and gains, offset gains, preserve_init, --md-tangent-grad and
     --md-normalize-update: the row/column sums of all of them cross TP shards, and TP2 must match DP1."""

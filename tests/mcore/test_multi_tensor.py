@@ -314,9 +314,11 @@ RUN = ["train", "--model", "tiny-dense", "--optimizer", "adam", "--mock-data", "
        "--eval-iters", "1", "--clip-grad", "0.5", "--use-distributed-optimizer", "--bf16"]
 
 
+@pytest.mark.e2e
 def test_training_run_loses_the_same_with_and_without(tmp_path):
     """A CPU run (bf16, megatron's distributed Adam, clipping at every step) with the stand-ins and with
-    megatron's fallbacks (``WITHOUT`` undoes the build's install in the CLI process)."""
+    megatron's fallbacks (``WITHOUT`` undoes the build's install in the CLI process). Both through a fresh
+    interpreter (e2e)."""
     import subprocess
     import sys
 

@@ -167,7 +167,7 @@ def test_packed_sequences_and_attention_bias_are_refused(mcore_world):
 
 
 def test_a_backend_the_layer_spec_cannot_take_is_refused_before_launch(monkeypatch):
-    from megatron_md.models import builder
+    from megatron_md.models import backends
     from megatron_md.training import config as C
     from megatron_md.training.validate import ConfigError, validate_config
 
@@ -177,7 +177,7 @@ def test_a_backend_the_layer_spec_cannot_take_is_refused_before_launch(monkeypat
     with pytest.raises(ConfigError, match="--attention-backend flash is a Transformer Engine kernel.*sdpa"):
         check(device="cpu", attention_backend="flash")
     check(device="cpu", attention_backend="sdpa")
-    monkeypatch.setattr(builder, "transformer_engine_available", lambda: True)  # a GPU machine with TE
+    monkeypatch.setattr(backends, "transformer_engine_available", lambda: True)  # a GPU machine with TE
     with pytest.raises(ConfigError, match="--attention-backend sdpa plugs into.*--transformer-impl local"):
         check(device="cuda", attention_backend="sdpa")
     check(device="cuda", attention_backend="sdpa", transformer_impl="local")
@@ -209,6 +209,7 @@ def _equal(a, b, rel=1e-5):
     return worst
 
 
+@pytest.mark.e2e
 def test_twenty_fp32_steps_match_the_local_backend(tmp_path):
     runs = {}
     for backend in ("local", "sdpa"):

@@ -1,6 +1,7 @@
 """The engine on megatron's real stack (gloo): one owner per matrix gives the duplicated path's update.
 
-Each case is one torchrun of ``_engine_probe.py``: the same model and gradients stepped with
+Each case is one run of ``_engine_probe.py`` on 2 or 4 ranks (in the suite's pooled worlds; the pp2-muon_md case
+under torchrun, e2e): the same model and gradients stepped with
 ``--muon-tp-mode duplicated`` (every TP rank orthogonalises every matrix), ``layer_sharded`` (the engine,
 batched by shape, with MD's batched step) and ``layer_sharded --md-ns-per-matrix``; the duplicated and
 per-matrix runs take MD's per-matrix step (``--md-per-matrix-step``). Per-matrix must be bit-identical to
@@ -11,16 +12,12 @@ stacked phases) may differ by fp32 rounding only.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from mdtest import run_tool
+
 pytestmark = pytest.mark.multirank
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
 
 LAYOUTS = {
     "tp2": (2, ["--tp", "2"]),
@@ -31,19 +28,18 @@ LAYOUTS = {
 
 
 def probe(nproc: int, args: list[str]) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "_engine_probe.py"), *args]
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_tool("tests/parallel/_engine_probe.py", args, nproc=nproc, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
     assert out.returncode == 0 and lines, f"probe failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     return json.loads(lines[-1][len("PROBE "):])
 
 
-@pytest.mark.parametrize("optimizer", ["muon_md", "manifold_muon"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+E2E = ("pp2", "muon_md")  # runs under torchrun, as a user launches it (make test-all)
+
+
+@pytest.mark.parametrize("layout,optimizer", [
+    pytest.param(layout, optimizer, id=f"{layout}-{optimizer}", marks=pytest.mark.e2e if (layout, optimizer) == E2E else ())
+    for optimizer in ("muon_md", "manifold_muon") for layout in sorted(LAYOUTS)])
 def test_engine_matches_duplicated(layout, optimizer):
     nproc, args = LAYOUTS[layout]
     res = probe(nproc, [*args, "--optimizer", optimizer])

@@ -1,4 +1,7 @@
-"""`megatron-md lr-sweep` training tiny cells: end to end, --jobs, signals, divergence, coord check, resumed cells."""
+"""`megatron-md lr-sweep` training tiny cells: end to end, --jobs, signals, divergence, coord check, resumed cells.
+
+Every sweep here runs through the real CLI (lr-sweep is not a pooled command: it starts a process per cell, and these
+tests are about that), so every case is end to end; test_diverged_cell_is_recorded_once carries the e2e mark."""
 
 from __future__ import annotations
 
@@ -136,6 +139,7 @@ def test_extend_edges_runs_until_the_optimum_is_inside(tmp_path):
     assert again.stdout.count("skipped (finished)") >= 1 and "running" not in again.stdout
 
 
+@pytest.mark.e2e
 def test_diverged_cell_is_recorded_once(tmp_path):
     out = tmp_path / "sweep"
     argv = ["lr-sweep", "--model", "tiny-dense", "--out", str(out), "--widths", "32", "--lrs", "1", "--steps", "4",

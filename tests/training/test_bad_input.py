@@ -171,3 +171,19 @@ def test_layout_differences_are_reported_as_reshardable_not_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--num-layers 2 there, 4 here; set these as it was saved.*reshards them: "
                                          r"--tensor-model-parallel-size 2 there, 1 here"):
         check_checkpoint_fits(cfg)
+
+
+def test_the_launching_process_checks_without_importing_megatron_core():
+    """Before a multi-rank run starts its ranks, the launching process checks the settings (the attention kernel
+    against the layer spec included) without importing megatron-core or building a model: each rank imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from megatron_md.training import config as C\n"
+            "from megatron_md.training.validate import validate_config\n"
+            "validate_config(C.resolve('tiny-moe', None, {'mock_data': True, 'expert_model_parallel_size': 2}), 2)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -141,6 +141,7 @@ def test_exit_duration_saves_and_exits_cleanly(tmp_path):
     assert "--exit-duration-in-mins 1e-06 reached at iteration 1" in (run / "train.log").read_text()
 
 
+@pytest.mark.e2e
 def test_moe_knobs_train_and_log_their_losses(tmp_path):
     run = tmp_path / "run"
     run_cli(["train", "--model", "tiny-moe", *SMALL, "--optimizer", "muon_md", "--train-iters", "2",

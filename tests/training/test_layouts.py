@@ -2,14 +2,15 @@
 
 A seed checkpoint (``--train-iters 0 --save``) is written once at DP1; every layout loads it
 with ``--pretrained-checkpoint`` (torch_dist reshards it) and trains on the same global batch.
-Step-1 loss must agree to rel 1e-5 across DP1, DP2, TP2, PP2 and EP2.
+Step-1 loss must agree to rel 1e-5 across DP1, DP2, TP2, PP2 and EP2. The seeds and the DP1 references are made
+once per pytest run and shared by the tests that compare with them (mdtest.shared_run).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mdtest import QUIET, run_cli, train_records
+from mdtest import QUIET, shared_run, train_records
 
 pytestmark = pytest.mark.multirank
 
@@ -20,19 +21,21 @@ COMMON = [
 
 
 def _seed(tmp_path, model):
-    seed = tmp_path / f"seed-{model}"
-    run_cli(["train", "--model", model, "--train-iters", "0", "--save", str(seed),
-             "--run-dir", str(tmp_path / f"run-seed-{model}"), *COMMON])
-    return seed
+    """The seed checkpoint of ``model``: made once per pytest run, read-only."""
+    out = shared_run(["train", "--model", model, "--train-iters", "0", "--save", "{out}/seed",
+                      "--run-dir", "{out}/run", *COMMON], name=f"layouts-seed-{model}")
+    return out / "seed"
 
 
 def _losses(tmp_path, model, seed, name, nproc, layout):
-    run_dir = tmp_path / f"run-{model}-{name}"
-    run_cli(["train", "--model", model, "--pretrained-checkpoint", str(seed), "--train-iters", "2",
-             "--nproc-per-node", str(nproc), "--run-dir", str(run_dir), *layout, *COMMON])
-    return [r["lm_loss"] for r in train_records(run_dir)]
+    """Losses of 2 steps from the seed at ``layout``; a run asked for twice (the DP1 references) runs once."""
+    out = shared_run(["train", "--model", model, "--pretrained-checkpoint", str(seed), "--train-iters", "2",
+                      "--nproc-per-node", str(nproc), "--run-dir", "{out}/run", *layout, *COMMON],
+                     name=f"layouts-{model}-{name}")
+    return [r["lm_loss"] for r in train_records(out / "run")]
 
 
+@pytest.mark.e2e
 def test_dense_layouts_agree(tmp_path):
     seed = _seed(tmp_path, "tiny-dense")
     layouts = {

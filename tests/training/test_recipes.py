@@ -9,20 +9,23 @@ MD options), --bf16, --use-distributed-optimizer, the MD paper architecture opti
 parallelism: TP/PP/EP above 2 become 2 (a recipe with EP8 runs EP2), everything runs on 2 ranks (DP fills the
 rest).
 
-Cost: a 2-rank run is mostly start-up (~15-30 s here), and there are ~25 recipes x 3 runs. Recipes whose shrunk
-settings are the same (``setting``: optimizer + manifold mode, precision, distributed optimizer, layout, model
-kind) are trained once, by one representative; ``test_recipe_maps_to_a_tested_setting`` checks every file
-maps onto a setting whose representative runs in the default suite, and prints the mapping. The other files
-train too under ``-m slow`` (``make test-slow``).
+Cost: a 2-rank run through the CLI is mostly start-up (~15 s here; ~2 s in the suite's pooled worlds), and there
+are ~25 recipes x 2 runs. Recipes whose shrunk settings are the same (``setting``: optimizer + manifold mode,
+precision, distributed optimizer, layout, model kind) are trained once, by one representative;
+``test_recipe_maps_to_a_tested_setting`` checks every file maps onto a setting whose representative runs in the
+default suite, and prints the mapping. The other files train too under ``-m slow`` (``make test-slow``).
 
-Why 4 steps and not 3: the step-3 loss only sees the weights of step 2 (the checkpoint's model); the optimizer
-state saved beside them (momentum, Adam moments, MD gains, manifold duals, the scheduler) first shows in the
-step-4 loss and the final evaluation.
+Two runs, not three: the straight run's own save at step 2 is the checkpoint the resumed run starts from (its save
+at step 4 removed, as if the job had stopped right after step 2); --exit-interval's stop and save are tested in
+tests/training/checkpoints/test_resume.py. Why 4 steps and not 3: the step-3 loss only sees the weights of step 2
+(the checkpoint's model); the optimizer state saved beside them (momentum, Adam moments, MD gains, manifold duals,
+the scheduler) first shows in the step-4 loss and the final evaluation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -120,8 +123,12 @@ def _mapping() -> str:
     return "\n".join(lines)
 
 
+E2E = "md_paper/moe-6.7b_muon_md.yaml"  # through the real CLI and torchrun (make test-all)
+
+
 def _param(path: Path):
-    return pytest.param(path, id=_rel(path), marks=() if path in TESTED else pytest.mark.slow)
+    marks = () if path in TESTED else (pytest.mark.slow,)
+    return pytest.param(path, id=_rel(path), marks=(*marks, pytest.mark.e2e) if _rel(path) == E2E else marks)
 
 
 def test_recipes_are_found():
@@ -183,22 +190,21 @@ def _losses(run_dir: Path, key: str = "lm_loss") -> list:
 
 @pytest.mark.parametrize("path", [_param(p) for p in RECIPES])
 def test_recipe_resumes_bit_identically(path, tmp_path):
-    """Exit at step 2 with a save, resume (and save again): steps 3-4 and the final eval equal a straight run."""
+    """A straight 4-step run that saves at step 2, then the requeued job from that save (``--load`` and ``--save`` the
+    same directory, as a job preempted right after it saved): steps 3-4 and the final eval equal the straight run's,
+    and the resumed run saves again. The MoE recipe E2E runs through the real CLI and torchrun (e2e)."""
     args = shrunk_args(path)
-    straight, first, resumed, ck = (tmp_path / n for n in ("straight", "first", "resumed", "ck"))
-    # A recipe with --save-interval needs a --save directory; the straight run's is never loaded.
-    cfg = resolve(None, str(path), {})
-    straight_save = ["--save", str(tmp_path / "ck-straight")] if cfg.checkpoint.save_interval else []
-    run_cli(["train", *args, *straight_save, "--run-dir", str(straight)])
-    run_cli(["train", *args, "--exit-interval", str(EXIT), "--save", str(ck), "--run-dir", str(first)])
-    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(EXIT)
-    # The requeue pattern: --load and --save the same directory, so the resumed run saves again at the end.
+    straight, resumed, ck = (tmp_path / n for n in ("straight", "resumed", "ck"))
+    run_cli(["train", *args, "--save", str(ck), "--save-interval", str(EXIT), "--run-dir", str(straight)])
+    assert (ck / f"iter_{EXIT:07d}").is_dir() and (ck / f"iter_{ITERS:07d}").is_dir()
+    shutil.rmtree(ck / f"iter_{ITERS:07d}")  # the job stopped after its save at EXIT
+    (ck / "latest_checkpointed_iteration.txt").write_text(f"{EXIT}\n")
     proc = run_cli(["train", *args, "--load", str(ck), "--save", str(ck), "--run-dir", str(resumed)], check=False)
 
     assert [r["iteration"] for r in train_records(straight)] == list(range(1, ITERS + 1))
     assert [r["iteration"] for r in train_records(resumed)] == list(range(EXIT + 1, ITERS + 1)), proc.stderr[-6000:]
     for key in ("lm_loss", "grad_norm", "lr"):
-        assert _losses(first, key) + _losses(resumed, key) == _losses(straight, key), key  # bit-identical
+        assert _losses(resumed, key) == _losses(straight, key)[EXIT:], key  # bit-identical
     assert eval_records(resumed)[-1]["eval_lm_loss"] == eval_records(straight)[-1]["eval_lm_loss"]
     # ... and a resumed run can checkpoint again (its next save is the one a requeued job relies on).
     assert proc.returncode == 0, f"the resumed run trained identically but exited {proc.returncode}:\n" \

@@ -193,9 +193,11 @@ def test_two_ranks_share_the_hashing_and_both_raise(tmp_path):
 
 
 @pytest.mark.multirank
+@pytest.mark.e2e
 def test_cli_refuses_a_corrupted_checkpoint_and_the_flag_skips_the_check(tmp_path):
     """train tiny-dense 2 steps with --save, flip a byte in a .distcp: score and train --load fail naming
-    the file and iteration (and point at iter 1), changing nothing; --no-verify-checkpoint loads it."""
+    the file and iteration (and point at iter 1), changing nothing; --no-verify-checkpoint loads it. Through the
+    real CLI (e2e): the exit codes and messages are the processes'."""
     from mdtest import QUIET, run_cli
 
     ck = tmp_path / "ck"

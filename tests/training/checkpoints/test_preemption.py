@@ -68,8 +68,10 @@ DISTOPT = ["--optimizer", "muon_md", "--use-distributed-optimizer", "--bf16"]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("opt", [[], DISTOPT], ids=["adam", "muon_md-distopt-bf16"])
+@pytest.mark.parametrize("opt", [[], pytest.param(DISTOPT, marks=pytest.mark.e2e)], ids=["adam", "muon_md-distopt-bf16"])
 def test_sigterm_saves_exits_0_and_the_relaunch_continues_identically(tmp_path, opt):
+    """The signalled run is always the real CLI under torchrun; the requeued and straight runs are too in the e2e
+    case (muon_md), and run in the pooled worlds in the other."""
     ck, first = tmp_path / "ck", tmp_path / "run-first"
     proc = _start([*RUN, *opt, "--nproc-per-node", "2", "--save", str(ck), "--run-dir", str(first)])
     _wait_for(lambda: _n_records(first) >= 2, proc, "two logged iterations")

@@ -76,7 +76,9 @@ def test_nan_step_is_skipped_and_never_saved(tmp_path):
     assert math.isfinite(b) and a == b
 
 
+@pytest.mark.e2e
 def test_consecutive_non_finite_steps_stop_the_run(tmp_path):
+    """Through the real CLI (e2e): the process exits 3 with the reason."""
     proc = run_cli(["train", *BASE, "--train-iters", "6", "--inject-nan-at", "2", "--inject-nan-iters", "5",
                     "--max-consecutive-skips", "3", "--run-dir", str(tmp_path / "r")], check=False)
     assert proc.returncode == 3

@@ -9,15 +9,13 @@ and the existing training/convert tests.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import yaml
 
-from mdtest import QUIET, REPO, run_cli, train_records
+from mdtest import QUIET, REPO, run_cli, run_tool, train_records
 
 TEXTS = ["def main(args):\n    return [x ** 2 for x in args]  # 12345", "Grüße, 東京 and  two  spaces\t!", ""]
 MODEL = ["--model", "tiny-dense", "--num-layers", "1", "--hidden-size", "64", "--seq-length", "32"]
@@ -183,7 +181,9 @@ def test_gpt2_and_hf_preprocess_write_the_same_tokens(kit, flow):
         assert a[i].tolist() == b[i].tolist() == kit.ref.encode(kit.docs[i]).ids + [eod]
 
 
+@pytest.mark.e2e
 def test_train_score_generate_with_the_hf_tokenizer(kit, flow):
+    """score and generate under the run's Hugging Face tokenizer, through the real CLI (e2e)."""
     losses = [r["lm_loss"] for r in train_records(flow.dir / "run")]
     assert len(losses) == 8 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3
     it = flow.ck / "iter_0000008"
@@ -205,11 +205,8 @@ def test_train_score_generate_with_the_hf_tokenizer(kit, flow):
 def test_hf_export_writes_the_tokenizer_and_import_trains_on_with_it(kit, flow):
     from transformers import AutoTokenizer
 
-    convert = [sys.executable, str(REPO / "tools" / "convert_checkpoint.py")]
     out = flow.dir / "hf_export"
-    r = subprocess.run(convert + ["export", "--load", str(flow.ck), "--output", str(out), "--verify"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_tool("tools/convert_checkpoint.py", ["export", "--load", str(flow.ck), "--output", str(out), "--verify"])
     assert json.loads(r.stdout.strip().splitlines()[-1])["max_rel_error"] < 1e-4
     hf = AutoTokenizer.from_pretrained(str(out))
     for text in TEXTS + kit.docs[:5]:
@@ -221,9 +218,8 @@ def test_hf_export_writes_the_tokenizer_and_import_trains_on_with_it(kit, flow):
     ck2 = flow.dir / "imported"
     train_yaml = flow.dir / "train.yaml"
     train_yaml.write_text(yaml.safe_dump({"model": {"seq_length": 32}, "optimizer": {"optimizer": "adam"}}))
-    r = subprocess.run(convert + ["import", "--hf", str(out), "--output", str(ck2), "--config", str(train_yaml)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_tool("tools/convert_checkpoint.py", ["import", "--hf", str(out), "--output", str(ck2), "--config",
+                                             str(train_yaml)])
     run_cfg = ck2 / "iter_0000000" / "run_config.yaml"
     data = yaml.safe_load(run_cfg.read_text())["data"]
     assert data["tokenizer_type"] == "HuggingFaceTokenizer" and data["tokenizer_model"].startswith(str(ck2))
