@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megatron_md-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all test-slow test-reshard test-multirank params gpu-smoke gpu-bench bench bench-counts readme records clean-runs
+.PHONY: setup demo test test-all test-e2e test-slow test-reshard test-multirank test-profile coverage params gpu-smoke gpu-bench bench bench-counts readme records clean-runs
 
 setup: $(STAMP)
 
@@ -35,6 +35,34 @@ test: $(STAMP)
 # Full matrix: what CI runs.
 test-all: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The full matrix with every megatron-md command through the real CLI and torchrun, none in the pooled worlds
+# (tests/harness/pool.py): the suite as it ran before them, about an hour on 2 cores.
+test-e2e: $(STAMP)
+	$(PY) -m pytest -m "not slow" --launch=cli $(PYTEST_ARGS)
+
+# make test-all with every test's time (--durations=0) and every command counted, recorded as
+# benchmarks/results/test_profile_after.json (tools/test_profile.py; `make readme` renders docs/tests.md's table).
+PROFILE := runs/test-profile
+test-profile: $(STAMP)
+	rm -rf $(PROFILE) && mkdir -p $(PROFILE)
+	$(PY) -m pytest --collect-only -q -m "not slow" > $(PROFILE)/ids.txt
+	$(PY) -m pytest --collect-only -q -m "not slow and not full" > $(PROFILE)/quick_ids.txt
+	set -o pipefail; MDTEST_LAUNCH_LOG=$(CURDIR)/$(PROFILE)/launches.jsonl $(PY) -m pytest -m "not slow" --durations=0 \
+		$(PYTEST_ARGS) | tee $(PROFILE)/pytest.log
+	$(PY) tools/test_profile.py record $(PROFILE)/pytest.log --label after --ids $(PROFILE)/ids.txt \
+		--quick-ids $(PROFILE)/quick_ids.txt --launches $(PROFILE)/launches.jsonl \
+		-o benchmarks/results/test_profile_after.json
+
+# Line coverage of megatron_md/ under the full matrix, in every process it starts (pyproject.toml's
+# [tool.coverage.run]); fails when below the figure before the suite was made faster (tools/coverage_check.py).
+coverage: $(STAMP)
+	rm -rf runs/coverage && mkdir -p runs/coverage
+	export COVERAGE_FILE=$(CURDIR)/runs/coverage/.coverage; \
+	$(PY) -m coverage run -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m coverage combine -q && $(PY) -m coverage json -q -o runs/coverage/coverage.json && \
+	$(PY) -m coverage report --skip-covered > runs/coverage/report.txt; \
+	$(PY) tools/coverage_check.py runs/coverage/coverage.json && exit $$rc
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

@@ -17,6 +17,9 @@ Each generated block sits between two marker lines, in whichever of README.md an
 ``benchmarks/gpu_bench.py`` (``tools/gpu_bench.sh``), or a line saying it has not been run. ``plan``:
 ``benchmarks/results/plan_8xh100.json`` from ``tools/plan_tables.py --generate`` (``megatron-md plan --json``).
 ``max_logit_cost``: ``benchmarks/results/max_logit_cost_cpu.json`` from ``benchmarks/max_logit_cost.py``.
+``test_profile``: the suite's per-test times before and after it was made faster
+(``benchmarks/results/test_profile_{before,after}.json`` from ``tools/test_profile.py``); ``launch_cost``:
+``benchmarks/results/launch_cost_cpu.json`` from ``benchmarks/launch_cost.py`` (tables in ``tools/test_profile.py``).
 ``records_*``: the judged ``records/<date>-<kind>/`` of each kind, summarised and judged by
 ``megatron_md.sweep.records`` (``qk-clip``: ``megatron_md.sweep.qk_clip_records``) from their CSVs and cells'
 metrics.jsonl. Links in a block are written from the repository root and made relative to the page it lands in
@@ -50,6 +53,7 @@ from benchmark_tables import (  # noqa: E402,F401  (re-exported)
 from ns_engine_tables import ns_engine_markdown, render_ns_engine  # noqa: E402,F401  (re-exported)
 from plan_tables import render_plan  # noqa: E402
 from step_counts_tables import render_step_counts, step_counts_markdown  # noqa: E402,F401  (re-exported)
+from test_profile import render_launch_cost, render_test_profile  # noqa: E402
 
 BEGIN = "<!-- BEGIN {name} -->"
 END = "<!-- END {name} -->"
@@ -258,6 +262,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "gpu_bench": render_gpu_bench,
     "max_logit_cost": render_max_logit_cost,
     "plan": render_plan,
+    "test_profile": render_test_profile,
+    "launch_cost": render_launch_cost,
     "records_claims": render_claims,
     "records_regime_probe": render_regime_probe,
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",

@@ -35,7 +35,7 @@ def _ids(path: Path) -> list[str]:
     return [ln.strip() for ln in path.read_text().splitlines() if "::" in ln]
 
 
-def record(log: Path, label: str, ids: Path, quick_ids: Path, launches: Path | None) -> dict:
+def record(log: Path, label: str, ids: Path, quick_ids: Path, launches: Path | None, date: str | None = None) -> dict:
     seconds: dict[str, float] = {t: 0.0 for t in _ids(ids)}
     wall, outcome = None, ""
     for line in log.read_text(errors="replace").splitlines():
@@ -47,7 +47,7 @@ def record(log: Path, label: str, ids: Path, quick_ids: Path, launches: Path | N
             outcome, wall = m.group(1).strip(), float(m.group(2))
     quick = set(_ids(quick_ids))
     out = {
-        "label": label, "date": time.strftime("%Y-%m-%d"),
+        "label": label, "date": date or time.strftime("%Y-%m-%d"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                  text=True).stdout.strip(),
         "outcome": outcome, "wall_s": wall,
@@ -134,6 +134,55 @@ def functions_table(before: dict, after: dict, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def launch_cost_markdown(res: dict) -> str:
+    """Where a command's time goes, by rank count (benchmarks/launch_cost.py's medians)."""
+    rows = ["| ranks | CLI command, 4 steps | of which start, imports, launcher | build (no step) | 4 steps | "
+            "checkpoint save | resume + 2 steps | same command pooled | ratio |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for nproc in (1, 2):
+        m = {v: res["cases"][f"{nproc}/{v}"] for v in LAUNCH_VARIANTS}
+        start = m["steps"]["cli_s"] - m["steps"]["pool_s"]
+        build = m["build"]["pool_s"]
+        steps = m["steps"]["pool_s"] - build
+        save = m["save"]["pool_s"] - m["steps"]["pool_s"]
+        rows.append(f"| {nproc} | {m['steps']['cli_s']:.1f} s | {start:.1f} s | {build:.1f} s | {steps:.1f} s | "
+                    f"{save:.1f} s | {m['resume']['cli_s']:.1f} s (pooled {m['resume']['pool_s']:.1f} s) | "
+                    f"{m['steps']['pool_s']:.1f} s | {m['steps']['cli_s'] / m['steps']['pool_s']:.1f}x |")
+    return "\n".join(rows)
+
+
+BEFORE = "benchmarks/results/test_profile_before.json"
+AFTER = "benchmarks/results/test_profile_after.json"
+LAUNCH_COST = "benchmarks/results/launch_cost_cpu.json"
+LAUNCH_VARIANTS = ("build", "steps", "save", "resume")
+
+
+def _summary(p: dict) -> str:
+    n = len(p["tests"])
+    quick = sum(1 for _, q in p["tests"].values() if q)
+    return (f"{p['label']}: main at {p['commit']}, {p['date']}: {n} tests ({quick} in the quick tier), session "
+            f"{p['wall_s'] / 60:.1f} min ({p['outcome']})")
+
+
+def render_test_profile(repo: Path) -> str:
+    before = json.loads((repo / BEFORE).read_text())
+    if not (repo / AFTER).exists():
+        return f"_Only the profile before the change is recorded: {_summary(before)}._"
+    after = json.loads((repo / AFTER).read_text())
+    return "\n".join([f"From `{BEFORE}` and `{AFTER}` (`tools/test_profile.py`).", "",
+                      f"- {_summary(before)}", f"- {_summary(after)}", "", table(before, after), "",
+                      "The slowest functions before:", "", functions_table(before, after)])
+
+
+def render_launch_cost(repo: Path) -> str:
+    path = repo / LAUNCH_COST
+    if not path.exists():
+        return "_No results yet: run `python benchmarks/launch_cost.py`._"
+    res = json.loads(path.read_text())
+    return (f"From `{LAUNCH_COST}` (`benchmarks/launch_cost.py`, {res['machine']}, {res['date']}, median of "
+            f"{res['repeats']}).\n\n" + launch_cost_markdown(res))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -143,13 +192,14 @@ def main(argv=None) -> int:
     r.add_argument("--ids", type=Path, required=True)
     r.add_argument("--quick-ids", type=Path, required=True)
     r.add_argument("--launches", type=Path)
+    r.add_argument("--date", help="the day the profiled run started (default: today)")
     r.add_argument("-o", "--output", type=Path, required=True)
     t = sub.add_parser("table")
     t.add_argument("before", type=Path)
     t.add_argument("after", type=Path)
     a = p.parse_args(argv)
     if a.cmd == "record":
-        prof = record(a.log, a.label, a.ids, a.quick_ids, a.launches)
+        prof = record(a.log, a.label, a.ids, a.quick_ids, a.launches, a.date)
         tests = prof.pop("tests")
         body = json.dumps(prof, indent=1)[:-2] + ',\n "tests": {\n' + ",\n".join(
             f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in tests.items()) + "\n }\n}\n"
