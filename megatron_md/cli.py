@@ -1,4 +1,9 @@
-"""``megatron-md`` command line: train, params, plan, score, generate, lr-sweep, demo, recipes."""
+"""``megatron-md`` command line: train, params, plan, score, generate, lr-sweep, demo, recipes.
+
+Importing this module imports no torch: checkpoint saving starts a spawn-mode helper process that imports the
+launching script's module again (this one, under ``python -m megatron_md.cli``), and a light import keeps that, and
+``--help``, fast. Commands import what they need when they run.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ from pathlib import Path
 
 from megatron_md.training import config as C
 from megatron_md.training.arguments import quiet_megatron, train_parser
-from megatron_md.training.checkpoints.preemption import PREEMPT_MARKER_ENV
 
 
 def under_launcher() -> bool:
@@ -31,6 +35,8 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     (SIGUSR1 too, where this torch's launcher can: ``--signals-to-handle``); the workers then save and exit.
     """
     from torch.distributed.run import get_args_parser
+
+    from megatron_md.training.checkpoints.preemption import PREEMPT_MARKER_ENV
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
     if "--signals-to-handle" in get_args_parser()._option_string_actions:

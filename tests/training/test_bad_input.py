@@ -175,11 +175,14 @@ def test_layout_differences_are_reported_as_reshardable_not_refused(tmp_path):
 
 def test_the_launching_process_checks_without_importing_megatron_core():
     """Before a multi-rank run starts its ranks, the launching process checks the settings (the attention kernel
-    against the layer spec included) without importing megatron-core or building a model: each rank imports it."""
+    against the layer spec included) without importing megatron-core or building a model: each rank imports it.
+    Importing the CLI module imports no torch (a checkpoint save's spawn-mode helper imports it again)."""
     import subprocess
     import sys
 
     code = ("import sys\n"
+            "import megatron_md.cli\n"
+            "assert 'torch' not in sys.modules, 'megatron_md.cli imports torch'\n"
             "from megatron_md.training import config as C\n"
             "from megatron_md.training.validate import validate_config\n"
             "validate_config(C.resolve('tiny-moe', None, {'mock_data': True, 'expert_model_parallel_size': 2}), 2)\n"
