@@ -1,10 +1,8 @@
 """Turn a pytest ``--durations=0`` log into a test-profile results file, and render profiles as the families table
 of docs/tests.md.
 
-    python tools/test_profile.py record LOG --label after --ids ALL --quick-ids QUICK [--launches JSONL] \\
-        -o benchmarks/results/test_profile_after.json
-    python tools/test_profile.py table benchmarks/results/test_profile_before.json \\
-        benchmarks/results/test_profile_after.json
+    python tools/test_profile.py record LOG --label after --ids ALL --quick-ids QUICK [--launches JSONL] -o OUT.json
+    python tools/test_profile.py table BEFORE.json AFTER.json
 
 ``record`` reads every ``N.NNs setup|call|teardown NODEID`` line of the log (pytest prints each phase over 5 ms),
 sums the phases per test (a test under 5 ms in every phase counts 0), and keeps the session's wall time and pass/fail
@@ -135,26 +133,21 @@ def functions_table(before: dict, after: dict, top: int = 15) -> str:
 
 
 def launch_cost_markdown(res: dict) -> str:
-    """Where a command's time goes, by rank count (benchmarks/launch_cost.py's medians)."""
-    rows = ["| ranks | CLI command, 4 steps | of which start, imports, launcher | build (no step) | 4 steps | "
-            "checkpoint save | resume + 2 steps | same command pooled | ratio |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """One command's wall time through the CLI and pooled, by rank count (benchmarks/launch_cost.py's medians)."""
+    rows = ["| ranks | command | through the CLI | pooled | CLI / pooled |", "| ---: | --- | ---: | ---: | ---: |"]
+    names = {"one": "1 step", "steps": "5 steps", "save": "5 steps and a save", "resume": "resume at 4, 2 steps"}
     for nproc in (1, 2):
-        m = {v: res["cases"][f"{nproc}/{v}"] for v in LAUNCH_VARIANTS}
-        start = m["steps"]["cli_s"] - m["steps"]["pool_s"]
-        build = m["build"]["pool_s"]
-        steps = m["steps"]["pool_s"] - build
-        save = m["save"]["pool_s"] - m["steps"]["pool_s"]
-        rows.append(f"| {nproc} | {m['steps']['cli_s']:.1f} s | {start:.1f} s | {build:.1f} s | {steps:.1f} s | "
-                    f"{save:.1f} s | {m['resume']['cli_s']:.1f} s (pooled {m['resume']['pool_s']:.1f} s) | "
-                    f"{m['steps']['pool_s']:.1f} s | {m['steps']['cli_s'] / m['steps']['pool_s']:.1f}x |")
+        for v in LAUNCH_VARIANTS:
+            m = res["cases"][f"{nproc}/{v}"]
+            rows.append(f"| {nproc} | {names[v]} | {m['cli_s']:.1f} s | {m['pool_s']:.1f} s | "
+                        f"{m['cli_s'] / m['pool_s']:.1f}x |")
     return "\n".join(rows)
 
 
 BEFORE = "benchmarks/results/test_profile_before.json"
 AFTER = "benchmarks/results/test_profile_after.json"
 LAUNCH_COST = "benchmarks/results/launch_cost_cpu.json"
-LAUNCH_VARIANTS = ("build", "steps", "save", "resume")
+LAUNCH_VARIANTS = ("one", "steps", "save", "resume")
 
 
 def _summary(p: dict) -> str:
@@ -165,6 +158,8 @@ def _summary(p: dict) -> str:
 
 
 def render_test_profile(repo: Path) -> str:
+    if not (repo / BEFORE).exists():
+        return f"_No profile recorded: `{BEFORE}` is missing._"
     before = json.loads((repo / BEFORE).read_text())
     if not (repo / AFTER).exists():
         return f"_Only the profile before the change is recorded: {_summary(before)}._"

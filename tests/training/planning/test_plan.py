@@ -1,7 +1,7 @@
 """``megatron-md plan`` against what the trainer really allocates, and the command on the big presets.
 
-The multi-rank test launches ``_plan_probe.py`` twice (world 1: DP1; world 2: DP2, TP2, EP2 layouts in one
-process group) and compares each case's per-rank bytes (max over ranks) with the plan's: parameters,
+The multi-rank test runs ``_plan_probe.py`` twice (world 1: DP1; world 2: DP2, TP2, EP2 layouts in one
+process group; in the suite's pooled worlds, or under torchrun with --launch=cli) and compares each case's per-rank bytes (max over ranks) with the plan's: parameters,
 gradients, master weights and optimizer state within 5%, activations within 25% (the bytes the forward saves
 for backward, in the case's recomputation mode).
 """
@@ -9,13 +9,12 @@ for backward, in the case's recomputation mode).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mdtest import run_tool
 from megatron_md.training.config import resolve
 from megatron_md.training.planning.report import (DEVICES, find_device, make_plan, parse_bytes, parse_headroom,
                                               resolve_target)
@@ -62,12 +61,7 @@ STATIC_TOL, ACTIVATION_TOL = 0.05, 0.25
 
 
 def probe(nproc: int, cases: list[dict]) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    launch = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = [sys.executable, *launch, str(HERE / "_plan_probe.py"), json.dumps(cases)]
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_tool("tests/training/planning/_plan_probe.py", [json.dumps(cases)], nproc=nproc, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
     assert out.returncode == 0 and lines, f"probe failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     return json.loads(lines[-1][len("PROBE "):])
