@@ -112,7 +112,7 @@ def table(before: dict, after: dict, top: int = 25) -> str:
             rest_b, rest_a = rest_b + byb.get(f, 0), rest_a + bya.get(f, 0)
             rest_qb, rest_qa = rest_qb + qb.get(f, 0), rest_qa + qa.get(f, 0)
             continue
-        lines.append(f"| `{f.removeprefix('tests/')}` | {byb.get(f, 0):.0f} / {qb.get(f, 0):.0f} | "
+        lines.append(f"| `{f}` | {byb.get(f, 0):.0f} / {qb.get(f, 0):.0f} | "
                      f"{bya.get(f, 0):.0f} / {qa.get(f, 0):.0f} | {_launches(after, f)} |")
     lines.append(f"| {len(files) - top} other files | {rest_b:.0f} / {rest_qb:.0f} | {rest_a:.0f} / {rest_qa:.0f} | |")
     lines.append(f"| **all {len(before['tests'])} / {len(after['tests'])} tests (sum of test times)** | "
@@ -128,7 +128,7 @@ def functions_table(before: dict, after: dict, top: int = 15) -> str:
     lines = ["| function (cases) | before (s) | after (s) |", "| --- | ---: | ---: |"]
     for (file, func), (n, s) in rows:
         na, sa = fa.get((file, func), (0, 0.0))
-        lines.append(f"| `{file.removeprefix('tests/')}::{func}` ({n} / {na}) | {s:.0f} | {sa:.0f} |")
+        lines.append(f"| `{file}::{func}` ({n} / {na}) | {s:.0f} | {sa:.0f} |")
     return "\n".join(lines)
 
 
