@@ -7,6 +7,8 @@ launch starts about 3 s sooner on 2 CPU cores).
 
 from __future__ import annotations
 
+import warnings
+
 
 def transformer_engine_available() -> bool:
     try:
@@ -52,3 +54,25 @@ def resolved_attention_backend(model_cfg, *, cpu: bool, use_te: bool) -> str:
     if name == "auto":
         return "auto" if use_te else "sdpa"
     return name
+
+
+def moe_grouped_gemm(model_cfg, use_te: bool, warn: bool = True) -> bool:
+    """Whether routed experts use grouped GEMM: unset means on exactly when TE builds the layers.
+
+    In megatron-core 0.19 grouped GEMM means TE's ``TEGroupedMLP`` (one ``weight{n}`` per local
+    expert); the legacy non-TE ``GroupedMLP`` is gone and the local spec builds ``SequentialMLP``
+    either way, so ``--moe-grouped-gemm`` without TE is turned off, with a warning.
+    """
+    m = model_cfg
+    if not m.num_experts or m.moe_grouped_gemm is False:
+        return False
+    if not use_te:
+        if m.moe_grouped_gemm and warn:
+            warnings.warn(
+                "--moe-grouped-gemm needs Transformer Engine (TEGroupedMLP); without it megatron-core builds "
+                "SequentialMLP experts, so grouped GEMM is off. Install the 'gpu' extra, or pass "
+                "--no-moe-grouped-gemm to silence this.",
+                stacklevel=2,
+            )
+        return False
+    return True

@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_md.models.attention import SDPAttention
 from megatron_md.models.backends import (  # noqa: F401  (resolved_attention_backend: re-exported)
+    moe_grouped_gemm,
     resolved_attention_backend,
     use_transformer_engine,
 )
@@ -48,28 +49,6 @@ def fused_softmax_available() -> bool:
     extensions inside the first fp16/bf16 forward of the local spec (sequence <= 4096), so without them
     the fusion must stay off (torch's softmax then runs)."""
     return all(importlib.util.find_spec(m) is not None for m in FUSED_SOFTMAX_MODULES)
-
-
-def moe_grouped_gemm(model_cfg, use_te: bool) -> bool:
-    """Whether routed experts use grouped GEMM: unset means on exactly when TE builds the layers.
-
-    In megatron-core 0.19 grouped GEMM means TE's ``TEGroupedMLP`` (one ``weight{n}`` per local
-    expert); the legacy non-TE ``GroupedMLP`` is gone and the local spec builds ``SequentialMLP``
-    either way, so ``--moe-grouped-gemm`` without TE is turned off, with a warning.
-    """
-    m = model_cfg
-    if not m.num_experts or m.moe_grouped_gemm is False:
-        return False
-    if not use_te:
-        if m.moe_grouped_gemm:
-            warnings.warn(
-                "--moe-grouped-gemm needs Transformer Engine (TEGroupedMLP); without it megatron-core builds "
-                "SequentialMLP experts, so grouped GEMM is off. Install the 'gpu' extra, or pass "
-                "--no-moe-grouped-gemm to silence this.",
-                stacklevel=2,
-            )
-        return False
-    return True
 
 
 def apex_available() -> bool:
@@ -127,8 +106,11 @@ def attention_backend(model_cfg, *, cpu: bool, use_te: bool):
 
 
 def recompute_settings(model_cfg) -> dict:
-    """Megatron-LM's recompute flags as TransformerConfig fields ('selective' recomputes core attention)."""
+    """Megatron-LM's recompute flags as TransformerConfig fields ('selective': --recompute-modules, core_attn
+    unless named)."""
     m = model_cfg
+    if m.recompute_modules and m.recompute_granularity != "selective":
+        raise ValueError("--recompute-modules applies to --recompute-granularity selective only")
     if m.recompute_granularity is None:
         if m.recompute_method or m.recompute_num_layers:
             raise ValueError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
@@ -137,9 +119,9 @@ def recompute_settings(model_cfg) -> dict:
         if m.recompute_method or m.recompute_num_layers:
             raise ValueError(
                 "--recompute-method / --recompute-num-layers apply to --recompute-granularity full only; "
-                "selective recomputation always recomputes the core attention of every layer"
+                "selective recomputation recomputes --recompute-modules (default core_attn) in every layer"
             )
-        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+        return dict(recompute_granularity="selective", recompute_modules=list(m.recompute_modules or ["core_attn"]))
     return dict(recompute_granularity="full", recompute_method=m.recompute_method or "uniform",
                 recompute_num_layers=m.recompute_num_layers or 1)
 
@@ -204,6 +186,11 @@ def transformer_config(
             moe_token_drop_policy=m.moe_token_drop_policy,
             moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
             moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+            moe_router_dtype=m.moe_router_dtype,
+            moe_router_score_function=m.moe_router_score_function,
+            moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+            moe_permute_fusion=m.moe_permute_fusion,
         )
     return TransformerConfig(**kwargs)
 

@@ -87,6 +87,19 @@ class ModelConfig:
         False, "With a capacity factor, pad every expert's input to its capacity (fixed shapes).")
     moe_shared_expert_intermediate_size: Optional[int] = opt(
         None, "Width of the shared expert every token goes through beside the routed ones (unset: none).", valid=">=1")
+    moe_router_dtype: Optional[str] = opt(
+        None, "Precision of the router's scores and of the weighted sum of the experts' outputs (unset: the "
+        "model's; fp32 is the usual choice with many experts).", ["fp32", "fp64"])
+    moe_router_score_function: str = opt(
+        "softmax", "Router scores: a softmax over the experts, or an independent sigmoid (or sqrt-softplus) per "
+        "expert, as DeepSeek-V3.", ["softmax", "sigmoid", "sqrtsoftplus"])
+    moe_router_enable_expert_bias: bool = opt(
+        False, "Aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice only, moved "
+        "after every global batch toward even loads; a buffer, not a parameter (no optimizer steps it), kept in "
+        "checkpoints. Needs a sigmoid or sqrtsoftplus score function.")
+    moe_router_bias_update_rate: float = opt(
+        1e-3, "With --moe-router-enable-expert-bias: the bias step per global batch.", valid=">=0")
+    moe_permute_fusion: bool = opt(False, "Fused token permute/unpermute (Transformer Engine's kernels; CUDA).")
     recompute_granularity: Optional[str] = opt(
         None, "Activation recomputation: 'selective' recomputes the core attention (the s^2 term) in the "
         "backward pass; 'full' keeps only each layer's input (with --recompute-method). Unset: none.",
@@ -97,6 +110,9 @@ class ModelConfig:
         ["uniform", "block"])
     recompute_num_layers: Optional[int] = opt(
         None, "Full recomputation: layers per group (uniform) or layers recomputed per stage (block); default 1.", valid=">=1")
+    recompute_modules: Optional[list[str]] = opt(
+        None, "Selective recomputation: the modules recomputed in the backward pass (default core_attn). moe_act "
+        "needs grouped GEMM experts.", ["core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts"], nargs="+")
     attention_backend: str = opt(
         "auto", "Core attention. With Transformer Engine layers: flash, fused or unfused (TE's kernels). With "
         "the local spec (no TE, and always on CPU): sdpa (torch's scaled_dot_product_attention: flash / cuDNN / "

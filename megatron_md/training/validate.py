@@ -183,9 +183,6 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
         need(shared is None or (shared > 0 and shared % p.tensor_model_parallel_size == 0),
              f"--moe-shared-expert-intermediate-size {shared} must be > 0 and divisible by TP "
              f"{p.tensor_model_parallel_size}")
-    else:
-        for name in ("moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size"):
-            need(getattr(m, name) is None, f"--{name.replace('_', '-')} needs an MoE model (--num-experts)")
     if t.rampup_batch_size:
         errors += _rampup_errors(cfg, world_size)
     if t.profile:
@@ -203,7 +200,8 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
 
 def attention_errors(cfg: RunConfig) -> list[str]:
     """--attention-backend against the layer spec the run will build (decided as the model build decides
-    it, TE importing or not), so a backend the spec cannot take is refused before any process starts."""
+    it, TE importing or not), and the MoE options that need a kernel, so what the build cannot take is refused
+    before any process starts."""
     import torch
 
     from megatron_md.models.backends import resolved_attention_backend, use_transformer_engine
@@ -211,10 +209,46 @@ def attention_errors(cfg: RunConfig) -> list[str]:
     m, device = cfg.model, cfg.training.device
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     try:
-        resolved_attention_backend(m, cpu=cpu, use_te=use_transformer_engine(m.transformer_impl, cpu))
+        use_te = use_transformer_engine(m.transformer_impl, cpu)
+        resolved_attention_backend(m, cpu=cpu, use_te=use_te)
     except ValueError as e:
         return [str(e)]
-    return []
+    return moe_errors(m, cpu=cpu, use_te=use_te)
+
+
+# MoE options that mean nothing in a dense model, with their defaults
+MOE_ONLY = {"moe_z_loss_coeff": None, "moe_expert_capacity_factor": None, "moe_shared_expert_intermediate_size": None,
+            "moe_router_dtype": None, "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+            "moe_permute_fusion": False}
+
+
+def moe_errors(m, *, cpu: bool, use_te: bool) -> list[str]:
+    """The router options and the recomputed modules, each naming its flag and the fix."""
+    from megatron_md.models.backends import moe_grouped_gemm
+
+    errors: list[str] = []
+    mods = set(m.recompute_modules or ())
+    if mods and m.recompute_granularity != "selective":
+        errors.append(f"--recompute-modules {' '.join(sorted(mods))} applies to --recompute-granularity selective; "
+                      "add it, or drop --recompute-modules")
+    if not m.num_experts:
+        errors += [f"--{name.replace('_', '-')} needs an MoE model (--num-experts)"
+                   for name, default in MOE_ONLY.items() if getattr(m, name) != default]
+        if mods & {"moe", "moe_act", "shared_experts"}:
+            errors.append("--recompute-modules moe, moe_act and shared_experts need an MoE model (--num-experts)")
+        return errors
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function == "softmax":
+        errors.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or "
+                      "sqrtsoftplus): megatron-core biases only those scores")
+    if m.moe_permute_fusion and not use_te:
+        where = "this run is on the CPU" if cpu else "transformer_engine does not import"
+        errors.append(f"--moe-permute-fusion needs Transformer Engine's permute kernels on CUDA ({where}); drop it")
+    if "moe_act" in mods and not moe_grouped_gemm(m, use_te, warn=False):
+        errors.append("--recompute-modules moe_act needs grouped GEMM experts (Transformer Engine on CUDA); "
+                      "recompute moe instead")
+    if "shared_experts" in mods and not m.moe_shared_expert_intermediate_size:
+        errors.append("--recompute-modules shared_experts needs --moe-shared-expert-intermediate-size")
+    return errors
 
 
 def _rampup_errors(cfg: RunConfig, world_size: int) -> list[str]:

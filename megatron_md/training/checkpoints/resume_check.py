@@ -19,7 +19,8 @@ SHAPE = {
     "model": ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
               "ffn_hidden_size", "make_vocab_size_divisible_by", "position_embedding_type", "normalization",
               "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear", "qk_layernorm",
-              "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"),
+              "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "moe_router_enable_expert_bias"),  # the bias is a saved buffer
 }
 # Settings the load reshards across (the optimizer state too, within what docs/checkpoints.md lists).
 RESHARDABLE = {
