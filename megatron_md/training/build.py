@@ -33,7 +33,8 @@ def setup_parallel(cfg: RunConfig):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_config(cfg, world)
     activate(rt)
-    init_distributed(rt)
+    minutes = cfg.training.distributed_timeout_minutes
+    init_distributed(rt, timeout_s=round(60 * minutes))
     p = cfg.parallel
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -42,6 +43,7 @@ def setup_parallel(cfg: RunConfig):
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        distributed_timeout_minutes=minutes,
     )
     seed_everything(cfg.training.seed)
     return rt
@@ -72,6 +74,9 @@ def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
     """GPTModel for this stage, in Float16Module when bf16, in megatron DDP."""
     model = build_model(cfg, vocab, cpu=cpu)
     config = model.config
+    # read by the schedules (no per-micro-batch mean), DDP (no 1/DP) and finalize_model_grads (1/total tokens)
+    config.calculate_per_token_loss = cfg.training.calculate_per_token_loss
+    config.deterministic_mode = cfg.training.deterministic_mode
     if not cpu:
         model.cuda(torch.cuda.current_device())
     if cfg.training.bf16:

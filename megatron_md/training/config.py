@@ -226,6 +226,21 @@ class TrainingConfig:
     profile_step_start: int = opt(10, "--profile: first step recorded.", valid=">=1")
     profile_step_end: int = opt(12, "--profile: step after the last one recorded.", valid=">=1")
     profile_ranks: Optional[list[str]] = opt(None, "--profile: global ranks that record a trace (default 0).", nargs="+")
+    # Megatron-LM's process knobs (training/housekeeping.py)
+    manual_gc: bool = opt(False, "Python's automatic garbage collection off; collect every --manual-gc-interval "
+                                 "steps and around evaluations instead (no rank pauses mid-step).")
+    manual_gc_interval: int = opt(0, "--manual-gc: collect every N steps (0: never between steps).", valid=">=0")
+    manual_gc_eval: bool = opt(True, "--manual-gc: collect before and after each evaluation.")
+    empty_unused_memory_level: int = opt(
+        0, "Return the CUDA allocator's unused cache: 1 after each forward-backward, 2 after the optimizer step "
+        "too (0: never; at most 2).", valid=">=0")
+    deterministic_mode: bool = opt(False, "torch's deterministic algorithms (and megatron-core's deterministic_mode).")
+    calculate_per_token_loss: bool = opt(
+        False, "Weight every token of the global batch equally: the gradient is the sum over tokens divided by "
+        "the batch's token count, not a mean of per-micro-batch means (they differ when micro-batches hold "
+        "different numbers of loss tokens).")
+    distributed_timeout_minutes: float = opt(
+        10.0, "Timeout of the process groups' collectives, in minutes.", valid=">0")
 
 
 @dataclass

@@ -40,6 +40,7 @@ from megatron_md.training.build import (
 )
 from megatron_md.training.checkpoints.preemption import TIME_UP, PreemptionWatch, mark_preempted, signal_name
 from megatron_md.training.data.batches import micro_batches
+from megatron_md.training.housekeeping import Housekeeping
 from megatron_md.training.observability import throughput as tp
 from megatron_md.training.config import RunConfig
 from megatron_md.training.observability.profiling import StepProfiler
@@ -91,6 +92,7 @@ class Trainer:
         self.cfg = cfg
         self.rt = setup_parallel(cfg)
         self.cpu = self.rt.name == "cpu"
+        self.housekeeping = Housekeeping(cfg.training, cuda=self.rt.name == "cuda")
         self.tokenizer = make_tokenizer(cfg)
         self.vocab = vocab_size_for(cfg, self.tokenizer)
         self.model, self.tconfig = build_wrapped_model(cfg, self.vocab, self.cpu)
@@ -210,6 +212,8 @@ class Trainer:
             log.print(line)
         for line in self.logger_lines:
             log.print(line)
+        if self.housekeeping.describe():
+            log.print(self.housekeeping.describe())
         log.print(f"run directory: {Path(cfg.logging.run_dir).resolve()}")
 
     def _datasets(self):
@@ -257,6 +261,7 @@ class Trainer:
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
+        self.housekeeping.after_forward_backward()
         loss = reduce_loss(losses)
         if self.probe is not None:
             self.probe.armed = False
@@ -293,8 +298,12 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.valid_ds is None or len(self.valid_ds) == 0:
             return None
-        with self.params_synced():
-            return self._evaluate()
+        self.housekeeping.around_evaluation()
+        try:
+            with self.params_synced():
+                return self._evaluate()
+        finally:
+            self.housekeeping.around_evaluation()
 
     def _evaluate(self) -> float | None:
         self.model.eval()
@@ -384,6 +393,7 @@ class Trainer:
                             f"or gradient (--max-consecutive-skips {t.max_consecutive_skips}); lower --lr, "
                             "check the data, or resume from the last checkpoint"
                         )
+                self.housekeeping.after_step(s.iteration)
                 trace = self.profiler.after_step(s.iteration)
                 if trace:
                     print(f"[rank {dist.get_rank()}] profiler trace written to {trace}", flush=True)
@@ -429,6 +439,7 @@ class Trainer:
                 mark_preempted(msg)
         finally:
             self.preemption.restore()
+            self.housekeeping.close()
             log.close()
         return s
 

@@ -192,6 +192,8 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
         ranks = t.profile_ranks or ["0"]
         need(all(r.isdigit() and int(r) < world_size for r in ranks),
              f"--profile-ranks {' '.join(ranks)}: global ranks of this run are 0..{world_size - 1}")
+    need(t.empty_unused_memory_level <= 2, f"--empty-unused-memory-level {t.empty_unused_memory_level}: the "
+         "levels are 0 (never), 1 (after each forward-backward) and 2 (after the optimizer step too)")
     if c.keep_last_n_checkpoints is not None:
         need(c.save is not None, "--keep-last-n-checkpoints needs --save DIR")
     need(not c.async_save or c.save is not None, "--async-save needs --save DIR")

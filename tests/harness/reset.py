@@ -115,6 +115,8 @@ def reset(restore: Restore) -> None:
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(False)  # --deterministic-mode, if a run stopped before putting it back
+    gc.enable()  # --manual-gc, likewise
     gc.collect()
 
 
