@@ -23,7 +23,7 @@ import torch
 class Housekeeping:
     def __init__(self, training_cfg, cuda: bool):
         self.t, self.cuda = training_cfg, cuda
-        self.collections = 0  # manual collections run (logged at the end)
+        self.collections = 0  # manual collections run
         self.emptied = 0  # allocator caches emptied
         self._gc_was_enabled = gc.isenabled()
         self._deterministic_was = torch.are_deterministic_algorithms_enabled()

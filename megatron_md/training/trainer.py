@@ -212,8 +212,8 @@ class Trainer:
             log.print(line)
         for line in self.logger_lines:
             log.print(line)
-        if self.housekeeping.describe():
-            log.print(self.housekeeping.describe())
+        if housekeeping := self.housekeeping.describe():
+            log.print(housekeeping)
         log.print(f"run directory: {Path(cfg.logging.run_dir).resolve()}")
 
     def _datasets(self):

@@ -147,7 +147,7 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         need(c.save is not None, "--save-interval needs --save DIR")
 
     errors += performance_errors(cfg, world_size)
-    errors += attention_errors(cfg)
+    errors += backend_errors(cfg)
     if errors:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
 
@@ -200,7 +200,7 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
     return errors
 
 
-def attention_errors(cfg: RunConfig) -> list[str]:
+def backend_errors(cfg: RunConfig) -> list[str]:
     """--attention-backend against the layer spec the run will build (decided as the model build decides
     it, TE importing or not), and the MoE options that need a kernel, so what the build cannot take is refused
     before any process starts."""
