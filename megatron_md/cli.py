@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from megatron_md.training import config as C
-from megatron_md.training.arguments import quiet_megatron, train_parser
+from megatron_md.training import megatron_compat
+from megatron_md.training.arguments import parse_train_args, quiet_megatron, train_parser
 
 
 def under_launcher() -> bool:
@@ -84,10 +85,13 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 def cmd_train(argv: list[str]) -> int:
     quiet_megatron()
-    args = vars(train_parser().parse_args(argv))
+    args, accepted = parse_train_args(argv)
     yaml_path = args.pop("config", None)
     try:
-        cfg = C.resolve(None, yaml_path, args)
+        sources: dict = {}
+        cfg = C.resolve(None, yaml_path, args, sources=sources)
+        notes = [*accepted.values(), *megatron_compat.normalise(
+            cfg, {k for k, where in sources.items() if where.startswith(("command line", "--config"))}, accepted)]
         from megatron_md.training.validate import ConfigError, validate_config
 
         nproc = cfg.training.nproc_per_node
@@ -107,6 +111,9 @@ def cmd_train(argv: list[str]) -> int:
         return 2
     if nproc > 1 and not under_launcher():
         return relaunch(nproc, ["train", *_strip_nproc(argv)])
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in [*notes, *C.describe_sources(sources)]:
+            print(f"megatron-md train: {line}", file=sys.stderr)
     from megatron_md.training.checkpoints.checkpointing import CheckpointMismatch
     from megatron_md.training.checkpoints.integrity import CheckpointCorrupted
     from megatron_md.training.trainer import TrainingStopped, run

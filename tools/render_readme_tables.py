@@ -20,11 +20,12 @@ Each generated block sits between two marker lines, in whichever of README.md an
 ``test_profile``: the suite's per-test times before and after it was made faster
 (``benchmarks/results/test_profile_{before,after}.json`` from ``tools/test_profile.py``); ``launch_cost``:
 ``benchmarks/results/launch_cost_cpu.json`` from ``benchmarks/launch_cost.py`` (tables in ``tools/test_profile.py``).
+``megatron_compat``: docs/usage.md's Megatron-LM flag tables (``megatron_md/training/megatron_compat.py``).
 ``records_*``: the judged ``records/<date>-<kind>/`` of each kind, summarised and judged by
 ``megatron_md.sweep.records`` (``qk-clip``: ``megatron_md.sweep.qk_clip_records``) from their CSVs and cells'
 metrics.jsonl. Links in a block are written from the repository root and made relative to the page it lands in
 (``../records/...`` in docs/).
-Standard library only: no torch import.
+No torch import (standard library, and PyYAML for the ``megatron_compat`` block's config fields).
 
 Each ``records/<date>-<kind>/README.md`` with a ``record_summary`` block gets that record's table, and
 its ``record_claims`` block the claims it is judged on (the judged records only).
@@ -54,6 +55,15 @@ from ns_engine_tables import ns_engine_markdown, render_ns_engine  # noqa: E402,
 from plan_tables import render_plan  # noqa: E402
 from step_counts_tables import render_step_counts, step_counts_markdown  # noqa: E402,F401  (re-exported)
 from test_profile import render_launch_cost, render_test_profile  # noqa: E402
+
+def render_megatron_compat(repo: Path) -> str:
+    """docs/usage.md's Megatron-LM tables, from megatron_md/training/megatron_compat.py and the flag snapshot."""
+    sys.path.insert(0, str(repo))
+    from megatron_md.training import config as C
+    from megatron_md.training import megatron_compat as mc
+
+    return mc.markdown(len(mc.shared_defaults(C.FIELDS, C.flag)[0]) - len(mc.DIFFERS))
+
 
 BEGIN = "<!-- BEGIN {name} -->"
 END = "<!-- END {name} -->"
@@ -264,6 +274,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "plan": render_plan,
     "test_profile": render_test_profile,
     "launch_cost": render_launch_cost,
+    "megatron_compat": render_megatron_compat,
     "records_claims": render_claims,
     "records_regime_probe": render_regime_probe,
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",

@@ -77,6 +77,8 @@ def check_mcore(tc) -> bool:
 def choose_family(m, *, pre_softmax: bool = False) -> Family:
     """The HF architecture that reproduces ModelConfig ``m`` exactly, or ConversionError."""
     pos = m.position_embedding_type
+    if getattr(m, "rotary_percent", 1.0) != 1.0 and pos == "rope":
+        _refuse("rotary_percent", f"{m.rotary_percent}: the supported architectures rotate every head dimension")
     if pos == "learned_absolute":
         return _gpt2_family(m)
     if pos != "rope":

@@ -52,6 +52,7 @@ class OptimizerFamily:
     steps_matrices = True  # steps whole matrices: layer-wise distributed optimizer, not byte-sharded Adam
     keeps_weights_on_manifolds = False  # the optimizer moves weights at build/load: sync them to the model
     holds_md_groups = False  # may hold MD groups (the --md-* options apply)
+    takes_decoupled_lr = False  # megatron-core's --decoupled-lr reaches its param groups
     default_ns_tp_mode = "layer_sharded"
     recipe: dict = {}
 
@@ -99,6 +100,7 @@ class OptimizerFamily:
 class AdamFamily(OptimizerFamily):
     names = {"adam": "megatron-core's AdamW on every parameter (byte-sharded under --use-distributed-optimizer)"}
     steps_matrices = False
+    takes_decoupled_lr = True
     default_ns_tp_mode = "duplicated"  # unused by Adam; a value megatron's OptimizerConfig knows
 
 
@@ -198,8 +200,10 @@ class MDFamily(_EngineFamily):
     }
     BASES = {"muon_md": "muon", "adam_md": "adam", "lion_md": "lion", "soap_md": "soap", "ademamix_md": "ademamix",
              "norm_md": "norm"}
-    # The MD paper's recipe, unless set explicitly: no weight decay, no warmup, linear decay.
-    recipe = {"weight_decay": 0.0, "lr_warmup_iters": 0, "lr_decay_style": "linear", "clip_grad": 1.0}
+    # The MD paper's recipe, unless set explicitly: no weight decay, no warmup, linear decay, Muon's momentum
+    # 0.95 with Nesterov, AdamW's beta2 0.95 (Megatron-LM's defaults are 0.9 without Nesterov, and 0.999).
+    recipe = {"weight_decay": 0.0, "lr_warmup_iters": 0, "lr_decay_style": "linear", "clip_grad": 1.0,
+              "muon_momentum": 0.95, "muon_nesterov": True, "adam_beta2": 0.95}
 
     def base(self, cfg) -> str:
         return self.BASES[cfg.optimizer.optimizer]
@@ -275,6 +279,9 @@ class PolicyHooks(RunHooks):
 
 class ManifoldFamily(_EngineFamily):
     names = {"manifold_muon": "module-wise Manifold Muon: each module's weights on the manifold --geometry gives it"}
+    # The settings its tests and records were made with, unless set explicitly (Megatron-LM's defaults are linear
+    # decay, momentum 0.9 without Nesterov, beta2 0.999).
+    recipe = {"lr_decay_style": "cosine", "muon_momentum": 0.95, "muon_nesterov": True, "adam_beta2": 0.95}
     sections = ("md", "lion", "soap", "ademamix", "manifold")
 
     def validate(self, cfg, need) -> None:

@@ -18,8 +18,8 @@ from megatron_md.fields import opt
 class MuonConfig:
     """Muon's momentum and Newton-Schulz settings: megatron's Muon, MD's Muon base and Manifold Muon."""
 
-    muon_momentum: float = opt(0.95, "Muon momentum.", valid="[0,1)")
-    muon_nesterov: bool = opt(True, "Nesterov momentum for Muon.")
+    muon_momentum: float = opt(0.9, "Muon momentum (MD and Manifold Muon: 0.95 by their recipes).", valid="[0,1)")
+    muon_nesterov: bool = opt(False, "Nesterov momentum for Muon (on in MD's and Manifold Muon's recipes).")
     muon_scale_mode: str = opt(
         "spectral", "Muon update scale.", ["spectral", "unit_rms_norm", "shape_scaling"]
     )

@@ -148,6 +148,7 @@ def transformer_config(
         ffn_hidden_size=m.ffn_hidden_size,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
+        layernorm_zero_centered_gamma=m.apply_layernorm_1p,
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
         add_bias_linear=not m.disable_bias_linear,
@@ -273,6 +274,7 @@ def build_model(
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
     )
     if m.embedding_scale and pre_process:
         scale = math.sqrt(m.hidden_size)

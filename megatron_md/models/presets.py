@@ -3,9 +3,10 @@
 A preset is a plain dict of ModelConfig field overrides (see ``training/config.py``); the
 builder turns a resolved ModelConfig into a megatron-core GPTModel. The dense series is the
 MD paper's width ladder (12 layers, kv_channels 128, heads = hidden/128, GQA with
-heads/2 groups, SwiGLU 4x, RMSNorm, QK-norm, RoPE, untied embeddings, no biases,
-vocab 131072); ``--hidden-size`` on any preset rescales heads and FFN so width families
-for LR-transfer sweeps keep the same shape ratios.
+heads/2 groups, SwiGLU 4x, RMSNorm, QK-norm, RoPE, untied embeddings, no biases, no dropout,
+vocab 131072). A preset states every field it sets (the defaults without one are Megatron-LM's,
+training/model_config.py) and ``megatron-md train`` prints them once; ``--hidden-size`` on any preset
+rescales heads and FFN so width families for LR-transfer sweeps keep the same shape ratios.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ _PAPER_DENSE = dict(
     untie_embeddings_and_output_weights=True,
     disable_bias_linear=True,
     qk_layernorm=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
 )
+
+# What every MoE preset adds: aux-loss balancing at 1e-2 and all-to-all token dispatch (Megatron-LM's defaults
+# are no aux loss and all-gather dispatch).
+_MOE = dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type="alltoall")
 
 # GPT-2 small as in the module-wise manifold paper (nanoGPT): MHA, GELU MLP 4x, LayerNorm, learned
 # positions, tied embeddings, no biases. Differences to nanoGPT: megatron's LayerNorm has a bias
@@ -48,6 +55,8 @@ _GPT2 = dict(
     untie_embeddings_and_output_weights=False,
     disable_bias_linear=True,
     qk_layernorm=False,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
 )
 
 PRESETS: dict[str, dict] = {
@@ -63,6 +72,7 @@ PRESETS: dict[str, dict] = {
     ),
     "tiny-moe": dict(
         _PAPER_DENSE,
+        **_MOE,
         num_layers=2,
         hidden_size=64,
         kv_channels=16,
@@ -87,6 +97,7 @@ PRESETS: dict[str, dict] = {
     # MoE family: fine-grained experts, top-k routing with aux-loss balancing.
     "moe-0.9b": dict(
         _PAPER_DENSE,
+        **_MOE,
         hidden_size=1024,
         num_experts=16,
         moe_router_topk=2,
@@ -94,6 +105,7 @@ PRESETS: dict[str, dict] = {
     ),
     "moe-2.3b": dict(
         _PAPER_DENSE,
+        **_MOE,
         num_layers=16,
         hidden_size=1536,
         num_experts=32,
@@ -103,6 +115,7 @@ PRESETS: dict[str, dict] = {
     # OLMoE-like: 16 layers, hidden 2048, 64 experts of ffn 960, top-8.
     "moe-6.7b": dict(
         _PAPER_DENSE,
+        **_MOE,
         num_layers=16,
         hidden_size=2048,
         num_experts=64,

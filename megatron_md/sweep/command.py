@@ -276,7 +276,7 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
     m = cfg0.model
     log(f"[lr-sweep] {len(cells)} cells: widths {spec.widths} x optimizers {spec.optimizers} x seeds {spec.seeds}, "
         f"{spec.steps} steps; head dim {m.kv_channels} fixed (heads = width / {m.kv_channels}), "
-        f"FFN = {m.ffn_ratio:g} x width")
+        f"FFN = {m.ffn_hidden_size / m.hidden_size:g} x width")
     for opt in spec.optimizers:
         lrs = sorted({c.lr for c in cells if c.optimizer == opt})
         r = G.RECIPES[opt]

@@ -3,8 +3,8 @@
 LR ladder (the MD paper's): ``lr_k = 1e-3 * 2^(k/2)``. Which flag carries the swept LR:
 
 | sweep name      | --optimizer     | swept flag     | fixed (recipe) LRs, unless the base config sets them |
-| adamw           | adam            | --lr           | -                                                     |
-| muon            | muon            | --lr           | - (megatron-core's Muon: --lr drives the Muon matrices *and* the Adam part) |
+| adamw           | adam            | --lr           | - (cosine decay, --adam-beta2 0.95)                   |
+| muon            | muon            | --lr           | - (as adamw, and --muon-momentum 0.95 with Nesterov; megatron-core's Muon: --lr drives the Muon matrices *and* the Adam part) |
 | muon_md/adam_md | muon_md/adam_md | --matrix-lr    | --lr 1e-3, --embedding-lr 3e-3 (paper)                |
 | lion_md/soap_md | lion_md/soap_md | --matrix-lr    | --lr 1e-3, --embedding-lr 3e-3 (as MD's)              |
 | manifold_muon   | manifold_muon   | --matrix-lr    | --lr 6e-4 (paper B's AdamW LR)                        |
@@ -43,7 +43,7 @@ class Recipe:
     k_center: int  # default centre of --lrs N
     warmup_frac: float  # --lr-warmup-iters = round(frac * steps)
     weight_decay: float
-    fixed: dict = field(default_factory=dict)  # other LRs, applied when the base config leaves them unset
+    fixed: dict = field(default_factory=dict)  # other LRs and settings, applied when the base config leaves them unset
 
 
 # Fallback k centres, used when the base config does not set the swept LR for that optimizer (a --model
@@ -54,9 +54,12 @@ class Recipe:
 # relative step), soap_md adam_md's (no scale). A GPU recipe carries its own LR (the md_paper recipes:
 # --matrix-lr 1.13e-2, k 7), which is where a sweep of it should look.
 # Warmup / weight decay as the papers: AdamW and Muon warm up and decay weights, MD needs neither.
+# The baselines' settings the records were measured with (cosine decay, beta2 0.95; Muon's momentum 0.95 with
+# Nesterov), where the defaults are now Megatron-LM's (linear decay, beta2 0.999, momentum 0.9 without Nesterov).
+_BASELINE = {"lr_decay_style": "cosine", "adam_beta2": 0.95}
 RECIPES: dict[str, Recipe] = {
-    "adamw": Recipe("adam", "lr", 5, 0.1, 0.1),
-    "muon": Recipe("muon", "lr", 9, 0.1, 0.1),
+    "adamw": Recipe("adam", "lr", 5, 0.1, 0.1, _BASELINE),
+    "muon": Recipe("muon", "lr", 9, 0.1, 0.1, {**_BASELINE, "muon_momentum": 0.95, "muon_nesterov": True}),
     "muon_md": Recipe("muon_md", "matrix_lr", 12, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
     "adam_md": Recipe("adam_md", "matrix_lr", 2, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
     "lion_md": Recipe("lion_md", "matrix_lr", 12, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
@@ -328,7 +331,8 @@ class SweepSpec:
         out = ["--optimizer", r.optimizer]
         for name, value in r.fixed.items():
             if name not in self.base_explicit:
-                out += [flag(name), _fmt(value)]
+                out += ([flag(name) if value else flag("no_" + name)] if isinstance(value, bool)
+                        else [flag(name), value if isinstance(value, str) else _fmt(value)])
         out += [flag(r.lr_field), _fmt(cell.lr), "--lr-warmup-iters", str(cell.warmup),
                 "--weight-decay", _fmt(cell.weight_decay)]
         return out

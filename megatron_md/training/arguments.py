@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import warnings
 
 from megatron_md.training import config as C
@@ -17,11 +18,29 @@ def train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-md train",
         description="Train a megatron-core GPT/MoE model. Flags use Megatron-LM names.",
+        allow_abbrev=False,  # as Megatron-LM: a prefix of one of our flags must not stand for it
     )
     p.add_argument("--config", help="YAML file of settings (sections or flat flag names).")
     p.add_argument("--model", help="Preset name (see `megatron-md params`).")
     C.add_arguments(p)
     return p
+
+
+def parse_train_args(argv: list[str]) -> tuple[dict, dict[str, str]]:
+    """``megatron-md train``'s settings as typed, and {accepted Megatron-LM flag: note}. A Megatron-LM flag we do
+    not implement exits (argparse's exit 2) with one line naming every such flag; an unknown one as argparse does."""
+    from megatron_md.training import megatron_compat
+
+    p = train_parser()
+    ns, unknown = p.parse_known_args(argv)
+    accepted, refused, foreign = megatron_compat.screen(unknown)
+    if foreign:
+        p.error(f"unrecognized arguments: {' '.join(foreign)}")
+    if refused:  # one line, no usage dump: the flags and the way out are the message
+        print(f"{p.prog}: error: Megatron-LM flags not implemented here: " + "; ".join(refused)
+              + " (docs/usage.md, 'Megatron-LM compatibility', lists what is)", file=sys.stderr)
+        raise SystemExit(2)
+    return vars(ns), accepted
 
 
 def quiet_megatron() -> None:

@@ -83,7 +83,7 @@ def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
         model = Float16Module(config, model)
     p = cfg.parallel
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=not (cfg.training.bf16 and p.grad_reduce_in_bf16),
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         bucket_size=ddp_bucket_size(cfg),
@@ -182,6 +182,7 @@ def build_optimizer_and_hooks(cfg: RunConfig, ddp_model):
         muon_num_ns_steps=o.muon.muon_num_ns_steps,
         muon_tp_mode=ns_tp_mode(o.muon.muon_tp_mode, o.optimizer),
         muon_extra_scale_factor=o.muon.muon_extra_scale_factor,
+        **({"decoupled_lr": o.decoupled_lr, "decoupled_min_lr": o.decoupled_min_lr} if o.decoupled_lr else {}),
         muon_fp32_matmul_prec=ns_matmul_precision(o.muon.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
     )
     optimizer, hooks = family.build(cfg, common, ddp_model)
@@ -189,23 +190,38 @@ def build_optimizer_and_hooks(cfg: RunConfig, ddp_model):
 
     multi_tensor.use_foreach(optimizer)  # megatron's per-tensor fallbacks -> foreach (mcore/multi_tensor.py)
     gbs = global_batch_size(cfg)
-    decay_iters = max(o.lr_decay_iters or t.train_iters, 1)
+    warmup, decay, horizon = schedule_samples(cfg, gbs)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if o.lr_warmup_iters > 0 else o.lr,
+        init_lr=0.0 if warmup > 0 else o.lr,
         max_lr=o.lr,
         min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters * gbs,
-        lr_decay_steps=decay_iters * gbs,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
         lr_decay_style=o.lr_decay_style,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,
-        wd_incr_steps=max(t.train_iters, 1) * gbs,
+        wd_incr_steps=horizon,
         wd_incr_style="constant",
         wsd_decay_steps=(o.lr_wsd_decay_iters or 0) * gbs if o.lr_decay_style == "WSD" else None,
         lr_wsd_decay_style=o.lr_wsd_decay_style,
     )
     return optimizer, scheduler, hooks
+
+
+def schedule_samples(cfg: RunConfig, gbs: int) -> tuple[float, int, int]:
+    """(warmup, decay horizon, training horizon) in samples, as Megatron-LM counts them: from --train-samples and
+    the -samples flags when training is sample-based, else iterations x the global batch; --lr-warmup-fraction
+    is a share of the decay horizon."""
+    o, t = cfg.optimizer, cfg.training
+    if t.train_samples:
+        decay, horizon, warmup = o.lr_decay_samples or t.train_samples, t.train_samples, o.lr_warmup_samples
+    else:
+        decay, horizon = max(o.lr_decay_iters or t.train_iters, 1) * gbs, max(t.train_iters, 1) * gbs
+        warmup = o.lr_warmup_iters * gbs
+    if o.lr_warmup_fraction is not None:
+        warmup = o.lr_warmup_fraction * decay
+    return warmup, decay, horizon
 
 
 def layer_wise(cfg: RunConfig) -> bool:

@@ -20,6 +20,7 @@ import yaml
 from megatron_md.fields import RANGES, opt
 from megatron_md.mcore.families import FAMILIES, descriptions
 from megatron_md.mcore.family_configs import SECTIONS as OPTIMIZER_SECTIONS
+from megatron_md.training.model_config import ModelConfig, derive_sizes  # noqa: F401 (re-exported)
 
 OPTIMIZER_DESCRIPTIONS = descriptions()
 
@@ -38,107 +39,6 @@ def range_errors(cfg) -> list[str]:
 
 
 @dataclass
-class ModelConfig:
-    num_layers: int = opt(2, "Transformer layers.", valid=">=1")
-    hidden_size: int = opt(64, "Model width; with a preset, heads and FFN rescale with it.", valid=">=1")
-    num_attention_heads: Optional[int] = opt(None, "Attention heads (default hidden/kv-channels).", valid=">=1")
-    num_query_groups: Optional[int] = opt(None, "GQA groups (default heads*query-group-ratio).", valid=">=1")
-    kv_channels: int = opt(128, "Per-head dimension.", valid=">=1")
-    query_group_ratio: float = opt(1.0, "Query groups per head when --num-query-groups is unset.", valid="(0,1]")
-    ffn_hidden_size: Optional[int] = opt(None, "MLP width (default ffn-ratio*hidden).", valid=">=1")
-    ffn_ratio: float = opt(4.0, "MLP width / hidden when --ffn-hidden-size is unset.", valid=">0")
-    seq_length: int = opt(1024, "Training sequence length.", valid=">=1")
-    max_position_embeddings: Optional[int] = opt(None, "Max positions (default seq-length).", valid=">=1")
-    vocab_size: int = opt(131072, "Vocabulary size when no tokenizer fixes it (mock data).", valid=">=1")
-    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this x TP.", valid=">=1")
-    position_embedding_type: str = opt("rope", "Positions.", ["rope", "learned_absolute", "none"])
-    rotary_base: int = opt(10000, "RoPE base.", valid=">0")
-    normalization: str = opt("RMSNorm", "Norm layer.", ["RMSNorm", "LayerNorm"])
-    norm_epsilon: float = opt(1e-5, "Norm epsilon.", valid=">0")
-    swiglu: bool = opt(True, "SwiGLU MLP (gated SiLU).")
-    untie_embeddings_and_output_weights: bool = opt(True, "Separate input embedding and LM head.")
-    disable_bias_linear: bool = opt(True, "No biases in linear layers.")
-    qk_layernorm: bool = opt(True, "Normalise queries and keys per head (QK-norm).")
-    init_method_std: float = opt(0.02, "Std of the normal weight init.", valid=">0")
-    attention_dropout: float = opt(0.0, "Attention dropout.", valid="[0,1)")
-    hidden_dropout: float = opt(0.0, "Hidden dropout.", valid="[0,1)")
-    sandwich_norm: bool = opt(False, "MD paper option: norm each sublayer output before the add.")
-    layer_scale: bool = opt(False, "MD paper option: scale each sublayer output by 1/num-layers.")
-    embedding_scale: bool = opt(False, "MD paper option: multiply embeddings by sqrt(hidden).")
-    num_experts: Optional[int] = opt(None, "MoE experts per layer (unset: dense).", valid=">=1")
-    moe_router_topk: int = opt(2, "Experts per token.", valid=">=1")
-    moe_ffn_hidden_size: Optional[int] = opt(None, "Expert MLP width (default moe-ffn-ratio*h).", valid=">=1")
-    moe_ffn_ratio: float = opt(1.0, "Expert width / hidden when --moe-ffn-hidden-size is unset.", valid=">0")
-    moe_grouped_gemm: Optional[bool] = opt(
-        None, "Grouped GEMM experts, TE's TEGroupedMLP (unset: on when Transformer Engine builds the layers).")
-    moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch.", ["allgather", "alltoall"])
-    moe_router_load_balancing_type: str = opt(
-        "aux_loss", "Router balancing.", ["aux_loss", "seq_aux_loss", "sinkhorn", "none"]
-    )
-    moe_aux_loss_coeff: float = opt(1e-2, "Weight of the load-balancing loss.", valid=">=0")
-    moe_z_loss_coeff: Optional[float] = opt(None, "Weight of the router z-loss (unset: none; 1e-3 is a common start).", valid=">=0")
-    moe_expert_capacity_factor: Optional[float] = opt(
-        None, "Expert capacity as a multiple of the even share of tokens; tokens beyond it are dropped (unset: "
-        "no capacity, no dropping).", valid=">0")
-    moe_token_drop_policy: str = opt(
-        "probs", "With a capacity factor, which tokens an over-full expert drops: the lowest router "
-        "probabilities, or the last positions.", ["probs", "position"])
-    moe_pad_expert_input_to_capacity: bool = opt(
-        False, "With a capacity factor, pad every expert's input to its capacity (fixed shapes).")
-    moe_shared_expert_intermediate_size: Optional[int] = opt(
-        None, "Width of the shared expert every token goes through beside the routed ones (unset: none).", valid=">=1")
-    moe_router_dtype: Optional[str] = opt(
-        None, "Precision of the router's scores and of the weighted sum of the experts' outputs (unset: the "
-        "model's; fp32 is the usual choice with many experts).", ["fp32", "fp64"])
-    moe_router_score_function: str = opt(
-        "softmax", "Router scores: a softmax over the experts, or an independent sigmoid (or sqrt-softplus) per "
-        "expert, as DeepSeek-V3.", ["softmax", "sigmoid", "sqrtsoftplus"])
-    moe_router_enable_expert_bias: bool = opt(
-        False, "Aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice only, moved "
-        "after every global batch toward even loads; a buffer, not a parameter (no optimizer steps it), kept in "
-        "checkpoints. Needs a sigmoid or sqrtsoftplus score function.")
-    moe_router_bias_update_rate: float = opt(
-        1e-3, "With --moe-router-enable-expert-bias: the bias step per global batch.", valid=">=0")
-    moe_permute_fusion: bool = opt(False, "Fused token permute/unpermute (Transformer Engine's kernels; CUDA).")
-    recompute_granularity: Optional[str] = opt(
-        None, "Activation recomputation: 'selective' recomputes the core attention (the s^2 term) in the "
-        "backward pass; 'full' keeps only each layer's input (with --recompute-method). Unset: none.",
-        ["full", "selective"])
-    recompute_method: Optional[str] = opt(
-        None, "Full recomputation: 'uniform' checkpoints groups of --recompute-num-layers layers; 'block' "
-        "recomputes the first --recompute-num-layers layers of each pipeline stage (default uniform).",
-        ["uniform", "block"])
-    recompute_num_layers: Optional[int] = opt(
-        None, "Full recomputation: layers per group (uniform) or layers recomputed per stage (block); default 1.", valid=">=1")
-    recompute_modules: Optional[list[str]] = opt(
-        None, "Selective recomputation: the modules recomputed in the backward pass (default core_attn). moe_act "
-        "needs grouped GEMM experts.", ["core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts"], nargs="+")
-    attention_backend: str = opt(
-        "auto", "Core attention. With Transformer Engine layers: flash, fused or unfused (TE's kernels). With "
-        "the local spec (no TE, and always on CPU): sdpa (torch's scaled_dot_product_attention: flash / cuDNN / "
-        "memory-efficient kernels on CUDA, no s x s scores kept) or local (megatron-core's DotProductAttention, "
-        "which keeps the fp32 scores). auto: TE's choice when TE builds the layers, sdpa otherwise.",
-        ["auto", "flash", "fused", "unfused", "sdpa", "local"])
-    # Fusions: unset means on where the kernel exists (CUDA, and TE/Apex where it needs them), off on CPU.
-    rope_fusion: Optional[bool] = opt(None, "Fused RoPE (Transformer Engine's kernel); --no-rope-fusion turns it off.")
-    bias_swiglu_fusion: Optional[bool] = opt(None, "Fused bias+SwiGLU (megatron's jit-fused kernel; CUDA).")
-    bias_gelu_fusion: Optional[bool] = opt(None, "Fused bias+GeLU for non-SwiGLU MLPs (jit kernel; CUDA).")
-    bias_dropout_fusion: Optional[bool] = opt(None, "Fused bias+dropout+add (jit kernel; CUDA).")
-    masked_softmax_fusion: Optional[bool] = opt(
-        None, "Fused scale+mask+softmax of the local attention (needs Megatron's CUDA softmax extensions).")
-    gradient_accumulation_fusion: Optional[bool] = opt(
-        None, "Accumulate weight gradients straight into the fp32 main_grad in the GEMM (TE or Apex "
-        "fused_weight_gradient_mlp_cuda; CUDA).")
-    cross_entropy_loss_fusion: Optional[bool] = opt(
-        None, "Fused vocab-parallel cross entropy (unset: on on CUDA).")
-    persist_layer_norm: Optional[bool] = opt(None, "Apex persistent LayerNorm kernel (needs Apex; CUDA).")
-    transformer_impl: str = opt(
-        "auto", "Layer spec: TE when it imports (auto), or forced.",
-        ["auto", "local", "transformer_engine"],
-    )
-
-
-@dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "Tensor parallel size (TP).", valid=">=1")
     pipeline_model_parallel_size: int = opt(1, "Pipeline stages (PP).", valid=">=1")
@@ -152,6 +52,8 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(
         False, "Distributed optimizer: all-gather each bucket's updated parameters during the next forward "
         "pass, just before its layers need them (needs --use-distributed-optimizer and --overlap-grad-reduce).")
+    grad_reduce_in_bf16: bool = opt(
+        False, "With --bf16: reduce (and accumulate) gradients in bf16 rather than fp32 (half the communication).")
     ddp_bucket_size: Optional[int] = opt(
         None, "Elements per gradient-communication bucket (unset: megatron's default, max(40M, 1M x DP) with "
         "overlap; one bucket per buffer without).", valid=">=1")
@@ -168,16 +70,25 @@ class SharedOptimConfig:
     lr: float = opt(3e-4, "Peak learning rate (1-D params and LM head; all params for adam/muon).", valid=">0")
     min_lr: float = opt(0.0, "Final learning rate.", valid=">=0")
     lr_decay_style: str = opt(
-        "cosine", "LR schedule after warmup.", ["constant", "linear", "cosine", "WSD"]
+        "linear", "LR schedule after warmup.", ["constant", "linear", "cosine", "WSD"]
     )
     lr_warmup_iters: int = opt(0, "Linear warmup iterations (0 allowed).", valid=">=0")
+    lr_warmup_fraction: Optional[float] = opt(
+        None, "Warmup as a fraction of the decay horizon (instead of --lr-warmup-iters/-samples).", valid="[0,1]")
     lr_decay_iters: Optional[int] = opt(None, "Decay horizon (default: train-iters).", valid=">=1")
+    lr_warmup_samples: int = opt(0, "With --train-samples: linear warmup over this many samples.", valid=">=0")
+    lr_decay_samples: Optional[int] = opt(
+        None, "With --train-samples: the decay horizon in samples (default: train-samples).", valid=">=1")
+    decoupled_lr: Optional[float] = opt(
+        None, "Peak LR of the input embedding and the output layer (megatron-core's decoupled LR; --optimizer "
+        "adam).", valid=">0")
+    decoupled_min_lr: Optional[float] = opt(None, "Final LR with --decoupled-lr (default --min-lr).", valid=">=0")
     lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: final decay iterations.", valid=">=1")
-    lr_wsd_decay_style: str = opt("linear", "WSD decay shape.", ["linear", "cosine", "exponential"])
+    lr_wsd_decay_style: str = opt("exponential", "WSD decay shape.", ["linear", "cosine", "exponential"])
     weight_decay: float = opt(0.01, "Decoupled weight decay.", valid=">=0")
     clip_grad: float = opt(1.0, "Global gradient-norm clip (0 disables).", valid=">=0")
     adam_beta1: float = opt(0.9, "Adam beta1.", valid="[0,1)")
-    adam_beta2: float = opt(0.95, "Adam beta2.", valid="[0,1)")
+    adam_beta2: float = opt(0.999, "Adam beta2 (MD and Manifold Muon: 0.95 by their recipes).", valid="[0,1)")
     adam_eps: float = opt(1e-8, "Adam epsilon.", valid=">0")
     qk_clip: bool = opt(
         False, "QK-clip (MuonClip): after each step, every layer whose largest pre-softmax attention logit exceeded "
@@ -201,6 +112,9 @@ class TrainingConfig:
     micro_batch_size: int = opt(1, "Sequences per micro-batch per data-parallel rank.", valid=">=1")
     global_batch_size: Optional[int] = opt(None, "Sequences per step (default: micro x DP).", valid=">=1")
     train_iters: int = opt(100, "Optimizer steps (0 with --save writes a seed checkpoint).", valid=">=0")
+    train_samples: Optional[int] = opt(
+        None, "Train for this many samples instead of --train-iters (samples // global batch steps); the LR "
+        "schedule then counts samples (--lr-warmup-samples, --lr-decay-samples).", valid=">=1")
     eval_interval: Optional[int] = opt(None, "Evaluate every N steps (unset: only at the end).", valid=">=1")
     eval_iters: int = opt(4, "Validation batches per evaluation.", valid=">=0")
     seed: int = opt(1234, "Random seed.", valid=">=0")
@@ -540,25 +454,43 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict) -> RunConfig:
-    """Build a RunConfig from preset, YAML and CLI values, then derive dependent sizes."""
+def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict, sources: Optional[dict] = None) -> RunConfig:
+    """Build a RunConfig from preset, YAML and CLI values, then derive dependent sizes. ``sources``, when given,
+    receives {field: where its value came from} for every field not left at its default."""
     from megatron_md.models.presets import get_preset
 
     file_values = load_yaml(yaml_path) if yaml_path else {}
     preset = cli.pop("model", None) or preset or file_values.pop("preset", None)
     file_values.pop("preset", None)
     cfg = RunConfig(preset=preset)
+    src = sources if sources is not None else {}
     if preset:
         apply_overrides(cfg, get_preset(preset), f"preset {preset}")
+        src.update(dict.fromkeys(get_preset(preset), f"preset {preset}"))
     apply_overrides(cfg, file_values, f"--config {yaml_path}")
     explicit = set(cli) | _keys(file_values)
-    family = FAMILIES.get(cli.get("optimizer") or cfg.optimizer.optimizer)
+    src.update(dict.fromkeys(_keys(file_values), f"--config {yaml_path}"))
+    name = cli.get("optimizer") or cfg.optimizer.optimizer
+    family = FAMILIES.get(name)
     for k, v in (family.recipe if family else {}).items():  # the family's recipe, unless set explicitly
         if k not in explicit:
-            apply_overrides(cfg, {k: v}, f"{cli.get('optimizer') or cfg.optimizer.optimizer} recipe")
+            apply_overrides(cfg, {k: v}, f"{name} recipe")
+            src[k] = f"{name} recipe"
     apply_overrides(cfg, cli, "command line")
+    src.update(dict.fromkeys(cli, "command line"))
+    if {"train_samples", "train_iters"} <= explicit:
+        raise ValueError("--train-samples and --train-iters: give one (the steps are train-samples // global batch)")
     derive_sizes(cfg.model, explicit)
     return cfg
+
+
+def describe_sources(sources: dict) -> list[str]:
+    """One line per preset or recipe that set fields (the rest are Megatron-LM's defaults or what was typed)."""
+    by: dict[str, list[str]] = {}
+    for k, where in sources.items():
+        if where.startswith("preset ") or where.endswith(" recipe"):
+            by.setdefault(where, []).append(k)
+    return [f"{where} set {', '.join(sorted(keys))}" for where, keys in by.items()]
 
 
 def _keys(d: dict) -> set[str]:
@@ -569,31 +501,6 @@ def _keys(d: dict) -> set[str]:
         else:
             out.add(k.replace("-", "_"))
     return out
-
-
-def derive_sizes(m: ModelConfig, explicit: set[str] = frozenset()) -> None:
-    """Fill heads, groups and FFN widths from hidden size and the shape ratios."""
-    derive_heads = m.num_attention_heads is None or ("hidden_size" in explicit and "num_attention_heads" not in explicit)
-    if derive_heads and m.kv_channels >= 1:  # (a --kv-channels below 1 is refused by its range, by flag)
-        if m.hidden_size % m.kv_channels:
-            raise ValueError(
-                f"--hidden-size {m.hidden_size} is not a multiple of --kv-channels {m.kv_channels}; "
-                "pick a width that is, or set --num-attention-heads explicitly"
-            )
-        m.num_attention_heads = m.hidden_size // m.kv_channels
-    if m.num_attention_heads is not None and (
-            m.num_query_groups is None or ("num_query_groups" not in explicit and "hidden_size" in explicit)):
-        m.num_query_groups = max(1, int(round(m.num_attention_heads * m.query_group_ratio)))
-    if m.ffn_hidden_size is None or ("ffn_hidden_size" not in explicit and "hidden_size" in explicit):
-        m.ffn_hidden_size = int(round(m.ffn_ratio * m.hidden_size))
-    if m.num_experts and (
-        m.moe_ffn_hidden_size is None
-        or ("moe_ffn_hidden_size" not in explicit and "hidden_size" in explicit)
-    ):
-        m.moe_ffn_hidden_size = int(round(m.moe_ffn_ratio * m.hidden_size))
-    if m.max_position_embeddings is None or (
-            "max_position_embeddings" not in explicit and m.max_position_embeddings < m.seq_length):
-        m.max_position_embeddings = m.seq_length  # (a value the user set is checked against --seq-length)
 
 
 def dump_json(cfg: RunConfig) -> str:

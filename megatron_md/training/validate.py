@@ -95,6 +95,7 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x "
             f"data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}",
         )
+    errors += schedule_errors(cfg, world_size)
     need(t.train_iters > 0 or cfg.checkpoint.save is not None, "--train-iters 0 only makes sense with --save (a seed checkpoint)")
     need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
     need(
@@ -150,6 +151,43 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     errors += backend_errors(cfg)
     if errors:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
+
+
+def schedule_errors(cfg: RunConfig, world_size: int) -> list[str]:
+    """Sample-based training and the warmup flags, with Megatron-LM's rules. With --train-samples this is where
+    --train-iters is set: the samples divided by the global batch, rounded down (as Megatron-LM)."""
+    o, t, p = cfg.optimizer, cfg.training, cfg.parallel
+    errors: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errors.append(msg)
+
+    need(o.lr_warmup_fraction is None or (o.lr_warmup_iters == 0 and o.lr_warmup_samples == 0),
+         "--lr-warmup-fraction with --lr-warmup-iters or --lr-warmup-samples: give one warmup")
+    need(o.decoupled_lr is None or family_of(cfg).takes_decoupled_lr,
+         f"--decoupled-lr is megatron-core AdamW's embedding/output LR; --optimizer {o.optimizer} sets those with "
+         "its own flags (--embedding-lr, --output-lr)" if family_of(cfg).holds_md_groups else
+         f"--decoupled-lr works with --optimizer adam, not {o.optimizer}")
+    need(o.decoupled_min_lr is None or o.decoupled_lr is not None, "--decoupled-min-lr needs --decoupled-lr")
+    if not t.train_samples:
+        need(o.lr_warmup_samples == 0 and o.lr_decay_samples is None,
+             "--lr-warmup-samples and --lr-decay-samples need --train-samples (else use --lr-warmup-iters and "
+             "--lr-decay-iters)")
+        return errors
+    need(o.lr_warmup_iters == 0 and o.lr_decay_iters is None,
+         "--train-samples counts the schedule in samples: use --lr-warmup-samples and --lr-decay-samples, not "
+         "--lr-warmup-iters / --lr-decay-iters")
+    need(not t.rampup_batch_size, "--train-samples with --rampup-batch-size is not implemented: give --train-iters")
+    tp_pp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if world_size % tp_pp == 0:
+        gbs = t.global_batch_size or t.micro_batch_size * data_parallel_size(cfg, world_size)
+        need(t.train_samples >= gbs, f"--train-samples {t.train_samples} is less than one global batch ({gbs})")
+        t.train_iters = t.train_samples // gbs
+    decay = o.lr_decay_samples or t.train_samples
+    need(o.lr_warmup_samples < decay or o.lr_warmup_samples == 0,
+         f"--lr-warmup-samples {o.lr_warmup_samples} must be smaller than the decay horizon ({decay} samples)")
+    return errors
 
 
 def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:

@@ -39,7 +39,7 @@ def test_precedence_defaults_preset_yaml_cli(tmp_path):
     assert cfg.training.train_iters == 7  # flat YAML key
     assert cfg.optimizer.lr == 0.02  # CLI beats YAML
     assert cfg.model.swiglu is False  # --no-flag
-    assert cfg.optimizer.adam_beta2 == 0.95  # default
+    assert cfg.optimizer.adam_beta2 == 0.999  # default (Megatron-LM's)
 
 
 def test_round_trip_through_yaml():

@@ -13,7 +13,7 @@ from mdtest import QUIET, run_cli, shared_run, train_records
 
 DP2 = ["train", "--model", "tiny-dense", "--nproc-per-node", "2", "--mock-data", "--train-iters", "3",
        "--global-batch-size", "4", "--micro-batch-size", "1", "--seq-length", "24", "--log-interval", "1",
-       "--eval-iters", "1", *QUIET]
+       "--eval-iters", "1", "--adam-beta2", "0.95", "--lr-decay-style", "cosine", *QUIET]  # the settings it was written with
 
 
 def _knobs(**kw):

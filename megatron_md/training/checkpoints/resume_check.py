@@ -20,7 +20,8 @@ SHAPE = {
               "ffn_hidden_size", "make_vocab_size_divisible_by", "position_embedding_type", "normalization",
               "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear", "qk_layernorm",
               "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-              "moe_router_enable_expert_bias"),  # the bias is a saved buffer
+              "moe_router_enable_expert_bias",  # the bias is a saved buffer
+              "apply_layernorm_1p"),  # the norm weights are stored as scale - 1
 }
 # Settings the load reshards across (the optimizer state too, within what docs/checkpoints.md lists).
 RESHARDABLE = {
