@@ -478,7 +478,8 @@ def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict, sources:
             src[k] = f"{name} recipe"
     apply_overrides(cfg, cli, "command line")
     src.update(dict.fromkeys(cli, "command line"))
-    if {"train_samples", "train_iters"} <= explicit:
+    if {"train_samples", "train_iters"} <= set(cli) and cli["train_samples"] is not None:
+        # (only as typed: a saved run_config.yaml holds both, and its train_iters is re-derived at validation)
         raise ValueError("--train-samples and --train-iters: give one (the steps are train-samples // global batch)")
     derive_sizes(cfg.model, explicit)
     return cfg
