@@ -100,12 +100,14 @@ def cmd_train(argv: list[str]) -> int:
         from megatron_md.training.checkpoints.resume_check import check_checkpoint_fits
 
         check_checkpoint_fits(cfg)  # a checkpoint of another model is refused here, by flag
-        if cfg.data.data_path and not cfg.data.mock_data:
+        if not cfg.data.mock_data:
             from megatron_md.training.data.datasets import validate_data
 
-            validate_data(
-                cfg.data.data_path, cfg.data.split, cfg.model.seq_length, cfg.data.tokenizer_model, False
-            )
+            d = cfg.data
+            splits = [(d.data_path, d.split)] if d.data_path else [(p, "1,0,0") for p in (
+                d.train_data_path, d.valid_data_path, d.test_data_path) if p]
+            for path, split in splits:
+                validate_data(path, split, cfg.model.seq_length, d.tokenizer_model, False)
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-md train: error: {e}", file=sys.stderr)
         return 2

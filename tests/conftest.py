@@ -179,6 +179,10 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/training/test_megatron_compat.py::test_megatron_lm_example_scripts_run_shrunk_and_build_megatron_lm_s_model":
         "gpt3-175b",
     "tests/training/test_megatron_compat.py::test_llama3_script_through_the_cli_with_sample_based_schedule": None,
+    # the DataLoader pipeline: kept the TP2 reader/broadcast probe
+    "tests/training/data/test_loader.py::test_one_reader_per_tp_group_and_every_rank_gets_its_batches": "tp2-2",
+    "tests/training/data/test_loader.py::test_workers_change_no_number_and_evaluations_move_through_the_split": None,
+    "tests/training/data/test_loader.py::test_document_switches_change_what_is_trained_on": None,
     # preemption: kept SIGTERM with the distributed optimizer in bf16
     "tests/training/checkpoints/test_preemption.py::test_sigterm_saves_exits_0_and_the_relaunch_continues_identically":
         "muon_md-distopt-bf16",

@@ -163,6 +163,23 @@ class DataConfig:
         None, "Indexed dataset prefix, or a blend 'W1 P1 W2 P2 ...'.", nargs="+"
     )
     split: str = opt("969,30,1", "Train,valid,test proportions.")
+    train_data_path: Optional[list[str]] = opt(
+        None, "The training split's prefix or blend, instead of --data-path and --split.", nargs="+")
+    valid_data_path: Optional[list[str]] = opt(
+        None, "The validation split's prefix or blend (with --train-data-path; unset: no validation).", nargs="+")
+    test_data_path: Optional[list[str]] = opt(
+        None, "The test split's prefix or blend (with --train-data-path).", nargs="+")
+    num_workers: int = opt(
+        2, "DataLoader worker processes reading and collating samples ahead of the step (0: in the trainer's "
+        "process). Only the first rank of each tensor-parallel group reads; it broadcasts to the others.",
+        valid=">=0")
+    eod_mask_loss: bool = opt(False, "No loss on end-of-document tokens.")
+    reset_position_ids: bool = opt(False, "Positions restart at 0 after each end-of-document token.")
+    reset_attention_mask: bool = opt(
+        False, "Tokens attend only within their own document (a per-sample attention mask, s x s).")
+    eval_same_batches: bool = opt(
+        False, "Every evaluation reads the same first --eval-iters global batches of the validation split "
+        "(comparable across evaluations). Default: as Megatron-LM, each evaluation moves on through the split.")
     mock_data: bool = opt(False, "Random tokens instead of a dataset.")
     tokenizer_type: Optional[str] = opt(
         None, "Tokenizer (unset: from the files: --vocab-file/--merge-file are GPT2BPETokenizer, a directory "

@@ -23,9 +23,10 @@ def loss_func(loss_mask: torch.Tensor, nan_now: bool, output_tensor: torch.Tenso
 
 def make_forward_step(nan_now: bool):
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return out, functools.partial(loss_func, batch["loss_mask"], nan_now)
+        batch = next(data_iterator) or {}  # (middle pipeline stages get none: they take activations)
+        out = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
+                    labels=batch.get("labels"))
+        return out, functools.partial(loss_func, batch.get("loss_mask"), nan_now)
 
     return forward_step
 

@@ -39,7 +39,7 @@ from megatron_md.training.build import (
     with_vocab,
 )
 from megatron_md.training.checkpoints.preemption import TIME_UP, PreemptionWatch, mark_preempted, signal_name
-from megatron_md.training.data.batches import micro_batches
+from megatron_md.training.data.loader import batch_sizes, eval_start, stage_batches
 from megatron_md.training.housekeeping import Housekeeping
 from megatron_md.training.observability import throughput as tp
 from megatron_md.training.config import RunConfig
@@ -218,7 +218,7 @@ class Trainer:
 
     def _datasets(self):
         cfg, t = self.cfg, self.cfg.training
-        from megatron_md.training.data.datasets import build_gpt_datasets
+        from megatron_md.training.data.datasets import build_gpt_datasets, dataset_options
 
         evals = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 1
         sizes = (t.train_iters * self.gbs, evals * t.eval_iters * self.gbs, 0)
@@ -226,18 +226,22 @@ class Trainer:
         built = [build_gpt_datasets(
             cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, self.tokenizer,
             *sizes, mock=cfg.data.mock_data, path_to_cache=cfg.data.data_cache_path,
-            vocab_size=self.vocab,
+            vocab_size=self.vocab, **dataset_options(cfg.data),
         )]
         train, valid, _ = built[0]
         return train, valid
 
     # -- steps
 
-    def _batches(self, dataset, consumed: int, gbs: int | None = None):
-        return micro_batches(
-            dataset, consumed, gbs or self.gbs, self.cfg.training.micro_batch_size,
-            self.dp_rank, self.dp_size, self.rt.device,
-        )
+    def _stage_batches(self, dataset, consumed: int, *, evaluation: bool = False, limit: int | None = None):
+        """This rank's micro-batches from ``consumed`` on (``limit`` global batches, or endless): training's at the
+        run's batch sizes, evaluation's at the run's global batch size."""
+        d, t = self.cfg.data, self.cfg.training
+        sizes = ((lambda _consumed: self.gbs) if evaluation else
+                 batch_sizes(rampup_schedule(t.rampup_batch_size, self.gbs), self.gbs, t.micro_batch_size, self.dp_size))
+        return stage_batches(dataset, consumed=consumed, sizes=sizes, micro=t.micro_batch_size, dp_rank=self.dp_rank,
+                             dp_size=self.dp_size, num_workers=d.num_workers, device=self.rt.device,
+                             seq_length=self.cfg.model.seq_length, attention_mask=d.reset_attention_mask, limit=limit)
 
     def train_step(self) -> tuple[float | None, float | None, bool]:
         """One optimizer step over the current global batch (``self.step_gbs`` sequences)."""
@@ -254,7 +258,7 @@ class Trainer:
         nan_now = t.inject_nan_at is not None and t.inject_nan_at <= it < t.inject_nan_at + t.inject_nan_iters
         losses = self.forward_backward(
             forward_step_func=make_forward_step(nan_now),
-            data_iterator=self._batches(self.train_ds, self.state.consumed_samples, self.step_gbs),
+            data_iterator=self.train_batches,
             model=[self.model],
             num_microbatches=get_num_microbatches(),
             seq_length=self.cfg.model.seq_length,
@@ -308,10 +312,18 @@ class Trainer:
     def _evaluate(self) -> float | None:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
-        for i in range(self.cfg.training.eval_iters):
+        t = self.cfg.training
+        if self.cfg.data.eval_same_batches:
+            batches = self._stage_batches(self.valid_ds, 0, evaluation=True, limit=t.eval_iters)
+        else:  # one iterator for the run: each evaluation takes the next eval_iters global batches
+            if self.valid_batches is None:
+                start = eval_start(self.state.iteration, t.eval_interval, t.eval_iters, self.gbs, False)
+                self.valid_batches = self._stage_batches(self.valid_ds, start, evaluation=True)
+            batches = self.valid_batches
+        for _ in range(t.eval_iters):
             losses = self.forward_backward(
                 forward_step_func=make_forward_step(False),
-                data_iterator=self._batches(self.valid_ds, i * self.gbs),
+                data_iterator=batches,
                 model=[self.model],
                 num_microbatches=self.num_micro,
                 seq_length=self.cfg.model.seq_length,
@@ -362,6 +374,8 @@ class Trainer:
         cfg, t, s, log = self.cfg, self.cfg.training, self.state, self.logger
         interval = self._new_interval()
         self.model.train()
+        self.train_batches = self._stage_batches(self.train_ds, s.consumed_samples)
+        self.valid_batches = None  # made at the first evaluation
         try:
             while s.iteration < t.train_iters:
                 self.profiler.before_step(s.iteration + 1)
@@ -438,6 +452,7 @@ class Trainer:
                 log.print(msg)
                 mark_preempted(msg)
         finally:
+            self.train_batches = self.valid_batches = None  # stops the loaders' workers
             self.preemption.restore()
             self.housekeeping.close()
             log.close()

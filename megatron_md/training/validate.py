@@ -115,8 +115,10 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         )
 
     d = cfg.data
+    errors += data_errors(cfg)
     if not d.mock_data:
-        need(bool(d.data_path), "no data: pass --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+        need(bool(d.data_path or d.train_data_path),
+             "no data: pass --data-path PREFIX (see tools/preprocess_data.py), --train-data-path, or --mock-data")
         need(
             d.tokenizer_type == "NullTokenizer" or bool(d.tokenizer_model or d.vocab_file or d.merge_file),
             "--tokenizer-model is required with --data-path (a SentencePiece .model from "
@@ -151,6 +153,25 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     errors += backend_errors(cfg)
     if errors:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
+
+
+def data_errors(cfg: RunConfig) -> list[str]:
+    """Megatron-LM's rules for the per-split paths, and what the document switches need."""
+    d, m = cfg.data, cfg.model
+    errors = []
+    per_split = d.train_data_path or d.valid_data_path or d.test_data_path
+    if per_split and d.data_path:
+        errors.append("--data-path with --train/valid/test-data-path: give one (the per-split paths replace "
+                      "--data-path and --split)")
+    if (d.valid_data_path or d.test_data_path) and not d.train_data_path:
+        errors.append("--valid-data-path / --test-data-path need --train-data-path")
+    if per_split and d.mock_data:
+        errors.append("--mock-data with --train/valid/test-data-path: give one")
+    if d.reset_attention_mask and (m.attention_backend in ("flash", "fused")
+                                   or (m.attention_backend == "auto" and m.transformer_impl == "transformer_engine")):
+        errors.append(f"--reset-attention-mask needs an attention that takes a per-sample mask: --attention-backend "
+                      f"unfused, sdpa or local, not {m.attention_backend}")
+    return errors
 
 
 def schedule_errors(cfg: RunConfig, world_size: int) -> list[str]:

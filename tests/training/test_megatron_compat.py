@@ -97,8 +97,7 @@ FILE_DATA = ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-type", 
 # What a CPU run takes out: Megatron-LM flags megatron_md refuses, and CUDA-only settings it refuses on CPU.
 REFUSED = {"gpt3-175b": ["--step-batch-size-schedule", "--fp16"],
            "mixtral-8x7b": [],
-           "llama3-8b": ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
-                         "--num-workers"]}
+           "llama3-8b": ["--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]}
 CUDA_ONLY = {"gpt3-175b": [], "mixtral-8x7b": [],  # (--moe-grouped-gemm: a warning, SequentialMLP experts)
              "llama3-8b": ["--attention-backend", "--cross-entropy-loss-fusion"]}
 NPROC = {"gpt3-175b": 2, "mixtral-8x7b": 2, "llama3-8b": 1}

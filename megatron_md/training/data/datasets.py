@@ -245,6 +245,13 @@ def _default_cache_dir(prefixes: Sequence[str]) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "index_cache", fp)
 
 
+def dataset_options(d) -> dict:
+    """build_gpt_datasets' keyword arguments from a DataConfig: the per-split paths and the document switches."""
+    per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
+    return dict(per_split=per_split if any(per_split) else None, eod_mask_loss=d.eod_mask_loss,
+                reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask)
+
+
 def build_gpt_datasets(
     data_path: Sequence[str] | str | None,
     split: str,
@@ -258,8 +265,17 @@ def build_gpt_datasets(
     is_built_on_rank: Callable[[], bool] = lambda: True,
     path_to_cache: Optional[str] = None,
     vocab_size: Optional[int] = None,
+    per_split: Optional[Sequence[Optional[Sequence[str]]]] = None,
+    eod_mask_loss: bool = False,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
 ):
     """Build (train, valid, test) with megatron-core; a split with weight 0 comes back None.
+
+    ``per_split``: (train, valid, test) prefixes or blends ('W1 P1 W2 P2 ...'; None: that split is not built)
+    instead of ``data_path`` and ``split`` (Megatron-LM's --train/valid/test-data-path). The three switches are
+    GPTDataset's: mask the loss on end-of-document tokens; restart positions, and block attention, at each
+    document boundary (the last one builds a per-sample attention mask).
 
     ``tokenizer``: a megatron-core tokenizer (``tokenizer.build_tokenizer``) or anything with
     ``vocab_size``, ``eod``, ``pad`` and ``unique_identifiers``; None means megatron-core's
@@ -273,8 +289,18 @@ def build_gpt_datasets(
 
     tok = as_megatron_tokenizer(tokenizer, vocab_size)
     sizes = [train_samples, valid_samples, test_samples]
+    blend_per_split = None
     if mock:
         cls, blend, split_arg = MockGPTDataset, None, None  # megatron uses split 1,1,1 for mock
+    elif per_split is not None:
+        blend_per_split = [blend_from_data_path(p) if p else None for p in per_split]
+        prefixes = [q for b in blend_per_split if b for q in b[0]]
+        for prefix in prefixes:
+            _check_prefix_exists(prefix)
+        sizes = [n if b else None for n, b in zip(sizes, blend_per_split)]
+        cls, blend, split_arg = GPTDataset, None, None
+        if path_to_cache is None:
+            path_to_cache = _default_cache_dir(prefixes)
     else:
         blend = blend_from_data_path(data_path)
         for prefix in blend[0]:
@@ -288,13 +314,14 @@ def build_gpt_datasets(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=blend_per_split,
         split=split_arg,
         path_to_cache=path_to_cache,
         tokenizer=tok,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=reset_attention_mask,  # the mask is only needed where documents split it
         mmap_bin_files=True,
     )
     train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()

@@ -84,7 +84,8 @@ def score_text(model, tokenizer, text: str, seq_length: int, device) -> tuple[fl
 def score_validation(cfg: RunConfig, model, tokenizer, device) -> tuple[float, int]:
     """The trainer's final evaluation, recomputed: same dataset sizes, same samples."""
     from megatron_md.training.data.batches import collate
-    from megatron_md.training.data.datasets import build_gpt_datasets
+    from megatron_md.training.data.datasets import build_gpt_datasets, dataset_options
+    from megatron_md.training.data.loader import eval_start
     from megatron_md.training.build import vocab_size_for
 
     t = cfg.training
@@ -94,13 +95,15 @@ def score_validation(cfg: RunConfig, model, tokenizer, device) -> tuple[float, i
         cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, tokenizer,
         t.train_iters * gbs, evals * t.eval_iters * gbs, 0,
         mock=cfg.data.mock_data, path_to_cache=cfg.data.data_cache_path,
-        vocab_size=vocab_size_for(cfg, tokenizer),
+        vocab_size=vocab_size_for(cfg, tokenizer), **dataset_options(cfg.data),
     )
     total = torch.zeros(2, dtype=torch.float64)
     n = len(valid)
-    for i in range(t.eval_iters * gbs):
-        b = collate([valid[i % n]])
-        losses = token_losses(model, b["tokens"].to(device), b["labels"].to(device))
+    start = eval_start(t.train_iters, t.eval_interval, t.eval_iters, gbs, cfg.data.eval_same_batches)
+    for i in range(start, start + t.eval_iters * gbs):
+        b = {k: v.to(device) for k, v in collate([valid[i % n]]).items()}
+        # the dataset's positions and mask (--reset-position-ids, --reset-attention-mask), as in training
+        losses = model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"]).float()
         mask = b["loss_mask"].to(losses.device)
         total += torch.stack([(losses * mask).sum(), mask.sum()]).double().cpu()
     return (total[0] / total[1]).item(), int(total[1].item())
