@@ -82,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(default) or the CPU one")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--timing-log-level", type=int, default=0, choices=(0, 1, 2),
+                    help="megatron-core's timers at this level, handed to the optimizer as the trainer does")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="results JSON (a .md table is written beside it)")
     args = ap.parse_args(argv)
     args.presets = [p.strip() for p in args.presets.split(",") if p.strip()]
@@ -246,13 +248,17 @@ def count_step(model: str, optimizer: str, hidden: int, vocab: int, args) -> dic
 def _count_step(model: str, optimizer: str, hidden: int, vocab: int, args) -> dict:
     import torch
 
-    from megatron_md.training.build import build_optimizer, build_wrapped_model, global_batch_size
+    from megatron_md.mcore.timing import make_timers, timed
+    from megatron_md.training.build import build_optimizer_and_hooks, build_wrapped_model, global_batch_size
     from megatron_md.training.build import seed_everything, vocab_size_for
 
     cfg = model_config(model, optimizer, hidden, vocab, args)
     seed_everything(args.seed)
-    ddp, _ = build_wrapped_model(cfg, vocab_size_for(cfg, None), cpu=True)
-    opt, scheduler = build_optimizer(cfg, ddp)
+    ddp, tconfig = build_wrapped_model(cfg, vocab_size_for(cfg, None), cpu=True)
+    # megatron-core's timers at --timing-log-level, handed over as the trainer hands them (default 0: all dummies)
+    timers = make_timers(getattr(args, "timing_log_level", 0), "minmax")
+    tconfig.timers = timers
+    opt, scheduler, _ = build_optimizer_and_hooks(cfg, ddp, timers)
     params = list(ddp.module.parameters())
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
@@ -266,7 +272,7 @@ def _count_step(model: str, optimizer: str, hidden: int, vocab: int, args) -> di
         opt.zero_grad()  # the trainer's order: zero, (backward fills main_grad), step, scheduler
         for b, g in zip(buffers, saved):
             b.grad_data.copy_(g)  # clipping scaled it in place
-        with counter if i == args.warmup else contextlib.nullcontext():
+        with counter if i == args.warmup else contextlib.nullcontext(), timed(timers, "optimizer"):
             ok, _, _ = opt.step()
             scheduler.step(increment=gbs)
         if not ok:

@@ -134,6 +134,11 @@ class MegatronManifoldMuon(MegatronMD):
     @torch.no_grad()
     def step(self, closure=None):
         loss = super().step(closure)  # the MD and AdamW-base groups (md_groups)
+        with self.phase("manifold-solve"):
+            self._manifold_step()
+        return loss
+
+    def _manifold_step(self) -> None:
         duplicated, pending = self.ns["tp_mode"] == "duplicated", []
         for group in self.param_groups:
             if not _is_manifold_group(group):
@@ -156,7 +161,6 @@ class MegatronManifoldMuon(MegatronMD):
                     pending += submit_manifold_steps(items, geo_hp, self.ortho_engine)
         self.ortho_engine.run()  # every manifold group's matrices in one run
         finish_manifold_steps(pending)
-        return loss
 
     def _manifold_group_of(self, p: torch.Tensor) -> dict | None:
         for group in self.param_groups:

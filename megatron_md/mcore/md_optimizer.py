@@ -30,6 +30,7 @@ from megatron_md.optim.bases import BASES
 from megatron_md.optim.gains import GAIN_AXES, LOWRANK_AXES
 from megatron_md.optim.md import MDHyperParams
 from megatron_md.optim.muon_md import MDOptimizer
+from megatron_md.mcore.timing import timed
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
 
@@ -122,6 +123,8 @@ class MegatronMD(MDOptimizer):
         self.ns = ns_settings(config)
         adam.set_compile(config.md.md_compile)
         self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md.md_ns_per_matrix)
+        self.timers = config.timers  # megatron-core's Timers of the run (mcore/timing.py), or None
+        self.ortho_engine.timed = lambda name: timed(self.timers, name)
         self.per_matrix = config.md.md_per_matrix_step
         self._kernels: dict[tuple, object] = {}
         self._bases = {name: cls() for name, cls in BASES.items()}
@@ -181,6 +184,9 @@ class MegatronMD(MDOptimizer):
             for p in group["params"]:
                 self.state[p].clear()
                 self._init_param(p, hp, project=True)
+
+    def phase(self, name: str):
+        return timed(self.timers, name)
 
     def prepare_group(self, group: dict) -> None:
         # Gains follow the matrix group's schedule coefficient (docs/optimizers.md §1.7).

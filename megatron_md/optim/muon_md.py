@@ -12,6 +12,7 @@ touches process groups.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable
 
 import torch
@@ -112,6 +113,10 @@ class MDOptimizer(torch.optim.Optimizer):
     def prepare_group(self, group: dict) -> None:
         """Hook run on each param group before its step (e.g. a schedule for extra group options)."""
 
+    def phase(self, name: str):
+        """Hook around each phase of the step (md-prepare, md-orthogonalize, md-finish): the glue times them."""
+        return contextlib.nullcontext()
+
     def orthogonalize_all(self, requests: list[tuple]) -> list[list[torch.Tensor]]:
         """msign of every block of every matrix: ``requests`` = ``[(p, hp, [(U_block, global_shape), ...])]``.
 
@@ -144,59 +149,62 @@ class MDOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         waiting, stacks = [], []
-        for index, group in enumerate(self.md_groups()):
-            self.prepare_group(group)
-            hp = MDHyperParams.from_group(group)
-            base = self.base_for(hp)
-            buckets: dict[tuple, list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if not self.state[p]:  # e.g. state dropped by a load without optimizer state
-                    self._init_param(p, hp, project=False)
-                r = self.reducer_for(p)
-                blocks, sphere_blocks = self._param_blocks(p, hp)
-                if not self.per_matrix and md_batched.batchable(self.state[p], hp, base, blocks, sphere_blocks):
-                    buckets.setdefault(md_batched.bucket_key(p, blocks, r), []).append(p)
-                    continue
-                prep = md_prepare(p, p.grad, self.state[p], hp, base, r, blocks, sphere_blocks)
-                if base.orthogonalizes:
-                    waiting.append((p, hp, base, r, prep))
-                else:
-                    md_finish_(p, prep, self.state[p], hp, base, r)
-            for key, params in buckets.items():
-                slab = self._slab((index, key), params)
-                if slab is None:  # states that cannot share a stack (e.g. different step counts): one by one
-                    for p in params:
-                        r = self.reducer_for(p)
-                        prep = md_prepare(p, p.grad, self.state[p], hp, base, r, *self._param_blocks(p, hp))
-                        if base.orthogonalizes:
-                            waiting.append((p, hp, base, r, prep))
-                        else:
-                            md_finish_(p, prep, self.state[p], hp, base, r)
-                    continue
-                r, blocks = self.reducer_for(params[0]), self._param_blocks(params[0], hp)[0]
-                stacks.append((params, slab, hp, base, r, md_batched.prepare(params, slab, hp, base, r, blocks)))
+        with self.phase("md-prepare"):  # (bases that do not orthogonalise also finish here)
+            for index, group in enumerate(self.md_groups()):
+                self.prepare_group(group)
+                hp = MDHyperParams.from_group(group)
+                base = self.base_for(hp)
+                buckets: dict[tuple, list[torch.Tensor]] = {}
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if not self.state[p]:  # e.g. state dropped by a load without optimizer state
+                        self._init_param(p, hp, project=False)
+                    r = self.reducer_for(p)
+                    blocks, sphere_blocks = self._param_blocks(p, hp)
+                    if not self.per_matrix and md_batched.batchable(self.state[p], hp, base, blocks, sphere_blocks):
+                        buckets.setdefault(md_batched.bucket_key(p, blocks, r), []).append(p)
+                        continue
+                    prep = md_prepare(p, p.grad, self.state[p], hp, base, r, blocks, sphere_blocks)
+                    if base.orthogonalizes:
+                        waiting.append((p, hp, base, r, prep))
+                    else:
+                        md_finish_(p, prep, self.state[p], hp, base, r)
+                for key, params in buckets.items():
+                    slab = self._slab((index, key), params)
+                    if slab is None:  # states that cannot share a stack (e.g. different step counts): one by one
+                        for p in params:
+                            r = self.reducer_for(p)
+                            prep = md_prepare(p, p.grad, self.state[p], hp, base, r, *self._param_blocks(p, hp))
+                            if base.orthogonalizes:
+                                waiting.append((p, hp, base, r, prep))
+                            else:
+                                md_finish_(p, prep, self.state[p], hp, base, r)
+                        continue
+                    r, blocks = self.reducer_for(params[0]), self._param_blocks(params[0], hp)[0]
+                    stacks.append((params, slab, hp, base, r, md_batched.prepare(params, slab, hp, base, r, blocks)))
         requests = [(p, hp, prep.blocks_to_orthogonalize()) for p, hp, _, _, prep in waiting]
         for params, _, hp, base, _, prep in stacks:
             if base.orthogonalizes:
                 parts = [md_batched.stacked_block(prep.direction, b) for b in prep.blocks]
                 requests += [(p, hp, [(part[i], b.shape) for part, b in zip(parts, prep.blocks)])
                              for i, p in enumerate(params)]
-        done = self.orthogonalize_all(requests)
-        for (p, hp, base, r, prep), orth in zip(waiting, done):
-            md_finish_(p, prep, self.state[p], hp, base, r, orth)
-        done = done[len(waiting):]
-        for params, slab, hp, base, r, prep in stacks:
-            orth = None
-            if base.orthogonalizes:
-                outs, done = done[:len(params)], done[len(params):]
-                orth = md_batched.stack_outputs(outs, len(prep.blocks))
-            md_batched.descend_(prep, slab, hp, base, r, orth)
-        # the gains' Adam of every stack together, then each stack's one write into its parameters
-        md_batched.update_gains_([(slab, hp, prep) for _, slab, hp, _, _, prep in stacks])
-        for params, slab, hp, _, _, prep in stacks:
-            md_batched.write_(params, prep, slab, hp)
+        with self.phase("md-orthogonalize"):
+            done = self.orthogonalize_all(requests)
+        with self.phase("md-finish"):
+            for (p, hp, base, r, prep), orth in zip(waiting, done):
+                md_finish_(p, prep, self.state[p], hp, base, r, orth)
+            done = done[len(waiting):]
+            for params, slab, hp, base, r, prep in stacks:
+                orth = None
+                if base.orthogonalizes:
+                    outs, done = done[:len(params)], done[len(params):]
+                    orth = md_batched.stack_outputs(outs, len(prep.blocks))
+                md_batched.descend_(prep, slab, hp, base, r, orth)
+            # the gains' Adam of every stack together, then each stack's one write into its parameters
+            md_batched.update_gains_([(slab, hp, prep) for _, slab, hp, _, _, prep in stacks])
+            for params, slab, hp, _, _, prep in stacks:
+                md_batched.write_(params, prep, slab, hp)
         return loss
 
     def _slab(self, key: tuple, params: list[torch.Tensor]) -> "md_batched.Slab | None":

@@ -20,6 +20,7 @@ Knows groups and shards, not models or optimizers.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -112,6 +113,9 @@ class OrthogonalizationEngine:
         self.bucket_elements = bucket_elements
         self.stats = EngineStats()
         self._jobs: list[Ticket] = []
+        # name -> context manager around each wait for an all-to-all ("ns-engine-comm-wait"); the glue sets it
+        # to megatron-core's timers (mcore/timing.py), here it does nothing
+        self.timed: Callable[[str], contextlib.AbstractContextManager] = lambda _name: contextlib.nullcontext()
 
     def submit(self, sharded: Sequence[torch.Tensor], group, dim: int | None, kernel: Kernel,
                replicated: Sequence[torch.Tensor] = ()) -> Ticket:
@@ -255,7 +259,8 @@ class OrthogonalizationEngine:
         if f.dim is None:
             full = [[f.bucket[j].sharded[i] for j in f.mine] for i in range(f.n_in)]
         else:
-            f.gather_work[0].wait()
+            with self.timed("ns-engine-comm-wait"):
+                f.gather_work[0].wait()
             shape = tuple(f.bucket[0].sharded[0].shape)
             full = [[] for _ in range(f.n_in)]
             for jj in range(len(f.mine)):
@@ -275,7 +280,8 @@ class OrthogonalizationEngine:
         f.returned, f.return_work = self._all_to_all(send, [c * f.per_job for c in counts], f.me, f.group, f.like)
 
     def _unpack(self, f: "_Flight") -> None:
-        f.return_work[0].wait()
+        with self.timed("ns-engine-comm-wait"):
+            f.return_work[0].wait()
         cursor = [0] * f.size
         for j, t in enumerate(f.bucket):
             src = f.own[j]

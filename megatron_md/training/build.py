@@ -159,8 +159,9 @@ def build_optimizer(cfg: RunConfig, ddp_model):
     return optimizer, scheduler
 
 
-def build_optimizer_and_hooks(cfg: RunConfig, ddp_model):
-    """The optimizer, its scheduler, and the family's per-run hooks (``families.RunHooks``)."""
+def build_optimizer_and_hooks(cfg: RunConfig, ddp_model, timers=None):
+    """The optimizer, its scheduler, and the family's per-run hooks (``families.RunHooks``); ``timers``: the
+    run's megatron-core Timers (OptimizerConfig.timers), or None."""
     o, t = cfg.optimizer, cfg.training
     family = family_of(cfg)
     common = dict(
@@ -173,6 +174,7 @@ def build_optimizer_and_hooks(cfg: RunConfig, ddp_model):
         adam_eps=o.adam_eps,
         clip_grad=o.clip_grad,
         bf16=t.bf16,
+        timers=timers,
         params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and not family.steps_matrices,
         use_layer_wise_distributed_optimizer=layer_wise(cfg),

@@ -243,6 +243,14 @@ class LoggingConfig:
     log_max_logit: bool = opt(
         True, "Log the largest attention logit (max_logit, max_logit/L<i>) on logged steps; measured every step "
         "with --qk-clip. --no-log-max-logit turns it off without --qk-clip (docs/qk_clip.md gives its cost).")
+    timing_log_level: int = opt(
+        0, "megatron-core's timers: 0 none beyond the iteration time (nothing added to a step), 1 the step's phases "
+        "(forward-backward, gradient sync, optimizer, QK-clip), 2 also forward/backward compute, pipeline "
+        "send/recv, the data wait (batch-generator) and the MD, Newton-Schulz-engine and Manifold Muon phases. "
+        "Timers synchronise the device at each start and stop.", valid=">=0")
+    timing_log_option: str = opt(
+        "minmax", "Timers over ranks in the log: the slowest (max), the fastest and slowest (minmax), or every "
+        "rank (all); metrics.jsonl, TensorBoard and W&B get the slowest.", ["max", "minmax", "all"])
     diagnostics_interval: int = opt(
         100, "Every N steps log per-matrix σ_max/σ_min/‖Off(WᵀW)‖/‖W‖, MD gains, attention max logit "
         "and entropy (0: off; rounded up to a multiple of --log-interval).", valid=">=0"

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_md.mcore.timing import timed
+
 
 def loss_func(loss_mask: torch.Tensor, nan_now: bool, output_tensor: torch.Tensor):
     losses = output_tensor.float().view(-1)
@@ -21,9 +23,10 @@ def loss_func(loss_mask: torch.Tensor, nan_now: bool, output_tensor: torch.Tenso
     return loss_sum, num_tokens, {"lm loss": report}
 
 
-def make_forward_step(nan_now: bool):
+def make_forward_step(nan_now: bool, timers=None):
     def forward_step(data_iterator, model):
-        batch = next(data_iterator) or {}  # (middle pipeline stages get none: they take activations)
+        with timed(timers, "batch-generator"):  # the wait for the loader (and the TP broadcast)
+            batch = next(data_iterator) or {}  # (middle pipeline stages get none: they take activations)
         out = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
                     labels=batch.get("labels"))
         return out, functools.partial(loss_func, batch.get("loss_mask"), nan_now)

@@ -45,6 +45,7 @@ from megatron_md.training.observability import throughput as tp
 from megatron_md.training.config import RunConfig
 from megatron_md.training.observability.profiling import StepProfiler
 from megatron_md.training.observability.run_logging import RunLogger
+from megatron_md.mcore.timing import interval_report, make_timers, timed
 from megatron_md.training.step import all_finite, make_forward_step, reduce_loss
 from megatron_md.training.validate import ConfigError
 
@@ -96,7 +97,10 @@ class Trainer:
         self.tokenizer = make_tokenizer(cfg)
         self.vocab = vocab_size_for(cfg, self.tokenizer)
         self.model, self.tconfig = build_wrapped_model(cfg, self.vocab, self.cpu)
-        self.optimizer, self.scheduler, self.hooks = build_optimizer_and_hooks(cfg, self.model)
+        # megatron-core's timers, read by the schedules (model config) and the optimizers (OptimizerConfig)
+        self.timers = make_timers(cfg.logging.timing_log_level, cfg.logging.timing_log_option)
+        self.tconfig.timers = self.timers
+        self.optimizer, self.scheduler, self.hooks = build_optimizer_and_hooks(cfg, self.model, self.timers)
         family_of(cfg).after_build(self.optimizer)  # step 0's forward sees the projected weights
         self.gbs = global_batch_size(cfg)
         cfg.training.global_batch_size = self.gbs  # saved with checkpoints: score --validation needs it
@@ -256,15 +260,10 @@ class Trainer:
         if self.qk is not None:
             self.qk.arm(it % self.cfg.logging.log_interval == 0 or it == t.train_iters)
         nan_now = t.inject_nan_at is not None and t.inject_nan_at <= it < t.inject_nan_at + t.inject_nan_iters
-        losses = self.forward_backward(
-            forward_step_func=make_forward_step(nan_now),
-            data_iterator=self.train_batches,
-            model=[self.model],
-            num_microbatches=get_num_microbatches(),
-            seq_length=self.cfg.model.seq_length,
-            micro_batch_size=t.micro_batch_size,
-            forward_only=False,
-        )
+        losses = self.forward_backward(  # (megatron-core's schedules time it: forward-backward)
+            forward_step_func=make_forward_step(nan_now, self.timers), data_iterator=self.train_batches,
+            model=[self.model], num_microbatches=get_num_microbatches(), seq_length=self.cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size, forward_only=False)
         self.housekeeping.after_forward_backward()
         loss = reduce_loss(losses)
         if self.probe is not None:
@@ -276,11 +275,13 @@ class Trainer:
             self.model.zero_grad_buffer()
             return loss, None, False
         if self.qk is not None:
-            self.qk.before_step()  # this step's maxima over ranks; the factors the step applies
-        with self.opt_timer:
+            with timed(self.timers, "qk-clip"):
+                self.qk.before_step()  # this step's maxima over ranks; the factors the step applies
+        with self.opt_timer, timed(self.timers, "optimizer"):
             ok, grad_norm, _ = self.optimizer.step()
         if self.qk is not None:
-            self.qk.after_step()
+            with timed(self.timers, "qk-clip"):
+                self.qk.after_step()
         if ok:
             self.scheduler.step(increment=self.step_gbs)
         return loss, grad_norm, bool(ok)
@@ -515,7 +516,11 @@ class Trainer:
         matrix_lr = self._group_lr("hidden") or self._group_lr("manifold")
         if matrix_lr is not None:
             rec["matrix_lr"] = matrix_lr
+        timers_text, timers_ms = interval_report(self.timers, self.cfg.logging.timing_log_level, iv["iters"])
+        rec.update(timers_ms)
         self.logger.log_train(rec)
+        if timers_text:
+            self.logger.print(timers_text)
 
     def _diagnostics_due(self, iteration: int) -> bool:
         lg = self.cfg.logging

@@ -251,6 +251,8 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
         ranks = t.profile_ranks or ["0"]
         need(all(r.isdigit() and int(r) < world_size for r in ranks),
              f"--profile-ranks {' '.join(ranks)}: global ranks of this run are 0..{world_size - 1}")
+    need(cfg.logging.timing_log_level <= 2, f"--timing-log-level {cfg.logging.timing_log_level}: the levels are 0, "
+         "1 and 2")
     need(t.empty_unused_memory_level <= 2, f"--empty-unused-memory-level {t.empty_unused_memory_level}: the "
          "levels are 0 (never), 1 (after each forward-backward) and 2 (after the optimizer step too)")
     if c.keep_last_n_checkpoints is not None:
