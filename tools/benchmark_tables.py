@@ -330,3 +330,27 @@ def render_max_logit_cost(repo: Path) -> str:
     if not path.exists():
         return "_No results yet: run `python benchmarks/max_logit_cost.py --threads 1`._"
     return max_logit_cost_markdown(json.loads(path.read_text()), MAX_LOGIT_COST_RESULT)
+
+
+LOADER_RESULT = "benchmarks/results/loader_cpu.json"
+
+
+def loader_markdown(doc: dict, source: str) -> str:
+    s, m = doc["settings"], doc["machine"]
+    head = (f"The input pipeline on the CPU runtime (`{source}`, {doc['created']}, {m.get('cpu', 'CPU')}; "
+            f"`benchmarks/loader.py`): one rank, micro-batches of 1 x {s['seq_length']} tokens from the embedded "
+            f"corpus; *delivered* is the DataLoader alone after its first batch, *in training* a {s['model']} run at "
+            "that length with `--timing-log-level 2` (the `batch-generator` timer over the iteration time).")
+    rows = ["| --num-workers | delivered (tokens/s) | first batch (ms) | iteration (ms) | wait for data (ms) | "
+            "share of the iteration |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["results"]:
+        rows.append(f"| {r['workers']} | {r['tokens_per_s']:,.0f} | {r['first_batch_ms']:.0f} | {r['iter_ms']:.0f} | "
+                    f"{r['batch_wait_ms']:.1f} | {100 * r['wait_share']:.2f}% |")
+    return head + "\n\n" + "\n".join(rows)
+
+
+def render_loader(repo: Path) -> str:
+    path = repo / LOADER_RESULT
+    if not path.exists():
+        return "_No results yet: run `python benchmarks/loader.py`._"
+    return loader_markdown(json.loads(path.read_text()), LOADER_RESULT)

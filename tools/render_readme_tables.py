@@ -20,6 +20,7 @@ Each generated block sits between two marker lines, in whichever of README.md an
 ``test_profile``: the suite's per-test times before and after it was made faster
 (``benchmarks/results/test_profile_{before,after}.json`` from ``tools/test_profile.py``); ``launch_cost``:
 ``benchmarks/results/launch_cost_cpu.json`` from ``benchmarks/launch_cost.py`` (tables in ``tools/test_profile.py``).
+``loader``: ``benchmarks/results/loader_cpu.json`` from ``benchmarks/loader.py`` (the input pipeline).
 ``megatron_compat``: docs/usage.md's Megatron-LM flag tables (``megatron_md/training/megatron_compat.py``).
 ``records_*``: the judged ``records/<date>-<kind>/`` of each kind, summarised and judged by
 ``megatron_md.sweep.records`` (``qk-clip``: ``megatron_md.sweep.qk_clip_records``) from their CSVs and cells'
@@ -49,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_tables import (  # noqa: E402,F401  (re-exported)
     GPU_BENCH_RESULT, gpu_bench_markdown, optimizer_state_markdown, optimizer_step_markdown, render_gpu_bench,
-    render_max_logit_cost, render_optimizer_state, render_optimizer_step,
+    render_loader, render_max_logit_cost, render_optimizer_state, render_optimizer_step,
 )
 from ns_engine_tables import ns_engine_markdown, render_ns_engine  # noqa: E402,F401  (re-exported)
 from plan_tables import render_plan  # noqa: E402
@@ -275,6 +276,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "test_profile": render_test_profile,
     "launch_cost": render_launch_cost,
     "megatron_compat": render_megatron_compat,
+    "loader": render_loader,
     "records_claims": render_claims,
     "records_regime_probe": render_regime_probe,
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",

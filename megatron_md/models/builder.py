@@ -11,6 +11,7 @@ default there) or megatron's ``DotProductAttention`` (``--attention-backend loca
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -30,6 +31,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_md.models.attention import SDPAttention
 from megatron_md.models.backends import (  # noqa: F401  (resolved_attention_backend: re-exported)
@@ -38,6 +40,7 @@ from megatron_md.models.backends import (  # noqa: F401  (resolved_attention_bac
     use_transformer_engine,
 )
 from megatron_md.models.layers import SublayerOutput, TorchNorm
+from megatron_md.models.presets import moe_layer_pattern
 
 
 # Apex / Megatron-LM CUDA extensions behind megatron-core's FusedScaleMaskSoftmax; none ships with megatron-core.
@@ -192,6 +195,7 @@ def transformer_config(
             moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
             moe_router_bias_update_rate=m.moe_router_bias_update_rate,
             moe_permute_fusion=m.moe_permute_fusion,
+            moe_layer_freq=moe_layer_pattern(m),
         )
     return TransformerConfig(**kwargs)
 
@@ -251,9 +255,13 @@ def build_model(
     use_te = use_transformer_engine(m.transformer_impl, cpu)
     config = transformer_config(m, run_cfg.parallel, bf16=run_cfg.training.bf16, cpu=cpu, use_te=use_te)
     spec, norm = layer_spec(m, config, use_te=use_te)
-    block = TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm
-    )
+    specs = [spec] * get_num_layers_to_build(config)
+    pattern = moe_layer_pattern(m)
+    if pattern is not None and 0 in pattern:  # --moe-layer-freq: dense layers where the pattern has a 0
+        dense, _ = layer_spec(dataclasses.replace(m, num_experts=None), config, use_te=use_te)
+        offset = get_transformer_layer_offset(config)
+        specs = [spec if pattern[offset + i] else dense for i in range(len(specs))]
+    block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -12,7 +12,9 @@ rescales heads and FFN so width families for LR-transfer sweeps keep the same sh
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
+from typing import Optional
 
 _PAPER_DENSE = dict(
     num_layers=12,
@@ -125,6 +127,27 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def moe_layer_pattern(m) -> Optional[list[int]]:
+    """--moe-layer-freq as one 0/1 per layer (1: MoE), Megatron-LM's reading; None for a dense model. ValueError
+    naming the flag for text that is neither a positive integer nor a list expression of 0s and 1s."""
+    if not m.num_experts:
+        return None
+    text = str(m.moe_layer_freq).strip()
+    if text.isdigit() and int(text) >= 1:
+        return [1 if i % int(text) == 0 else 0 for i in range(m.num_layers)]
+    if not re.fullmatch(r"[\[\]\(\)\d\s,+*]+", text):
+        raise ValueError(f"--moe-layer-freq {text!r}: a positive integer, or a list expression of 0s and 1s such "
+                         "as '([0]*2+[1]*10)'")
+    try:
+        pattern = eval(text, {"__builtins__": {}}, {})  # noqa: S307 (digits, brackets, + , * only: checked above)
+    except Exception:  # noqa: BLE001
+        pattern = None
+    if not isinstance(pattern, list) or any(x not in (0, 1) for x in pattern) or len(pattern) != m.num_layers:
+        raise ValueError(f"--moe-layer-freq {text!r}: the list must hold a 0 or 1 for each of the --num-layers "
+                         f"{m.num_layers} layers")
+    return pattern
+
+
 def preset_names() -> list[str]:
     return list(PRESETS)
 
@@ -170,25 +193,25 @@ def count_parameters(cfg) -> ParamCounts:
         up = (2 if cfg.swiglu else 1) * ffn
         return h * up + ffn * h + bias * (up + h)
 
+    layers = cfg.num_layers
+    moe_layers = sum(moe_layer_pattern(cfg) or []) if hasattr(cfg, "moe_layer_freq") else (
+        layers if cfg.num_experts else 0)
+    mlp_total = mlp_active = (layers - moe_layers) * mlp_params(cfg.ffn_hidden_size)
     if cfg.num_experts:
         expert = mlp_params(cfg.moe_ffn_hidden_size)
         router = cfg.num_experts * h
         shared = getattr(cfg, "moe_shared_expert_intermediate_size", None)
         shared_params = mlp_params(shared) if shared else 0  # every token goes through the shared expert
-        mlp_total = cfg.num_experts * expert + router + shared_params
-        mlp_active = cfg.moe_router_topk * expert + router + shared_params
-    else:
-        mlp_total = mlp_active = mlp_params(cfg.ffn_hidden_size)
-
-    layers = cfg.num_layers
+        mlp_total += moe_layers * (cfg.num_experts * expert + router + shared_params)
+        mlp_active += moe_layers * (cfg.moe_router_topk * expert + router + shared_params)
     embedding = cfg.vocab_size * h
     if cfg.position_embedding_type == "learned_absolute":
         embedding += cfg.max_position_embeddings * h
     if cfg.untie_embeddings_and_output_weights:
         embedding += cfg.vocab_size * h
     final_norm = norm_w * h
-    total = layers * (attn + norms + mlp_total) + embedding + final_norm
-    active = layers * (attn + norms + mlp_active) + embedding + final_norm
+    total = layers * (attn + norms) + mlp_total + embedding + final_norm
+    active = layers * (attn + norms) + mlp_active + embedding + final_norm
     return ParamCounts(total=total, active=active, embedding=embedding)
 
 

@@ -75,6 +75,7 @@ DIFFERS = {
     "--muon-fp32-matmul-prec": "auto: medium on CUDA (Megatron-LM's default), highest on CPU",
     "--lion-beta1": "the lion_md base's (the Lion paper's 0.9, 0.99); Megatron-LM's are for its own Lion",
     "--lion-beta2": "as --lion-beta1",
+    "--moe-layer-freq": "the same 1, kept as text so that a list expression such as '([0]*2+[1]*10)' parses",
 }
 
 

@@ -51,6 +51,9 @@ class ModelConfig:
     embedding_scale: bool = opt(False, "MD paper option: multiply embeddings by sqrt(hidden).")
     num_experts: Optional[int] = opt(None, "MoE experts per layer (unset: dense).", valid=">=1")
     moe_router_topk: int = opt(2, "Experts per token.", valid=">=1")
+    moe_layer_freq: str = opt(
+        "1", "Which layers are MoE: N makes every N-th layer MoE (layer 0 first), a list expression such as "
+        "'([0]*2+[1]*10)' names each layer (1 MoE, 0 dense), as Megatron-LM.")
     moe_ffn_hidden_size: Optional[int] = opt(
         None, "Expert MLP width (unset: --moe-ffn-ratio x hidden, or --ffn-hidden-size as Megatron-LM).", valid=">=1")
     moe_ffn_ratio: Optional[float] = opt(None, "Expert width / hidden when --moe-ffn-hidden-size is unset (presets set it).", valid=">0")

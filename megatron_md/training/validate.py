@@ -115,7 +115,7 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         )
 
     d = cfg.data
-    errors += data_errors(cfg)
+    errors += data_errors(cfg) + moe_layer_errors(cfg)
     if not d.mock_data:
         need(bool(d.data_path or d.train_data_path),
              "no data: pass --data-path PREFIX (see tools/preprocess_data.py), --train-data-path, or --mock-data")
@@ -153,6 +153,22 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     errors += backend_errors(cfg)
     if errors:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
+
+
+def moe_layer_errors(cfg: RunConfig) -> list[str]:
+    """--moe-layer-freq: a pattern that parses, with at least one MoE layer; a dense model leaves it at 1."""
+    from megatron_md.models.presets import moe_layer_pattern
+
+    m = cfg.model
+    if not m.num_experts:
+        return [] if str(m.moe_layer_freq).strip() == "1" else [
+            f"--moe-layer-freq {m.moe_layer_freq} needs an MoE model (--num-experts)"]
+    try:
+        pattern = moe_layer_pattern(m)
+    except ValueError as e:
+        return [str(e)]
+    return [] if any(pattern) else [f"--moe-layer-freq {m.moe_layer_freq}: no MoE layer left (give --num-experts "
+                                    "unset for a dense model)"]
 
 
 def data_errors(cfg: RunConfig) -> list[str]:

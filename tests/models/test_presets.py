@@ -27,6 +27,8 @@ def _build(cfg):
         ("tiny-dense", {"position_embedding_type": "learned_absolute", "swiglu": False,
                         "normalization": "LayerNorm", "disable_bias_linear": False, "qk_layernorm": False}),
         ("tiny-dense", {"hidden_size": 96}),
+        ("tiny-moe", {"num_layers": 4, "moe_layer_freq": "2"}),  # MoE in layers 0 and 2, dense MLPs in 1 and 3
+        ("tiny-dense", {"apply_layernorm_1p": True, "rotary_percent": 0.5}),
     ],
 )
 def test_count_matches_built_model(mcore_world, preset, extra):

@@ -142,3 +142,20 @@ def test_a_checkpoint_saved_without_the_expert_bias_is_refused_by_a_run_that_tur
     cfg = resolve("tiny-moe", None, {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True})
     refused, _ = compare({"model": {"moe_router_enable_expert_bias": False}}, cfg)
     assert refused == ["--moe-router-enable-expert-bias False there, True here"]
+
+
+def test_dense_first_layers_train_and_resume_bit_identically_at_ep2(tmp_path, mcore_world):
+    """--moe-layer-freq '([0]+[1]*1)': layer 0 a dense MLP (stepped as any dense MLP), layer 1 the experts and the
+    router, as megatron-core builds them from the pattern; a resume from step 2 repeats the straight run."""
+    freq = ["--moe-layer-freq", "([0]+[1]*1)", "--optimizer", "muon_md"]
+    src = tmp_path / "src"
+    run_cli([*BASE, *EP2, *ROUTER, *freq, "--save", str(src), "--save-interval", "2", "--run-dir", str(tmp_path / "a")])
+    (src / "latest_checkpointed_iteration.txt").write_text("2\n")
+    again = tmp_path / "again"
+    run_cli([*BASE, *EP2, *ROUTER, *freq, "--load", str(src), "--save", str(again), "--run-dir", str(tmp_path / "b")])
+    assert _losses(tmp_path / "b") == _losses(tmp_path / "a")[2:]
+    final = _tensors(src / "iter_0000004")
+    assert not _same(final, _tensors(again / "iter_0000004"))
+    dense = [k for k in final if k.startswith("decoder.layers.0.mlp.linear_fc") and "experts" not in k]
+    moe = [k for k in final if k.startswith("decoder.layers.1.mlp.experts")]
+    assert dense and moe and not any(k.startswith("decoder.layers.0.mlp.router") for k in final), sorted(final)[:40]

@@ -21,7 +21,7 @@ SHAPE = {
               "swiglu", "untie_embeddings_and_output_weights", "disable_bias_linear", "qk_layernorm",
               "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
               "moe_router_enable_expert_bias",  # the bias is a saved buffer
-              "apply_layernorm_1p"),  # the norm weights are stored as scale - 1
+              "apply_layernorm_1p", "moe_layer_freq"),  # the norm weights are stored as scale - 1
 }
 # Settings the load reshards across (the optimizer state too, within what docs/checkpoints.md lists).
 RESHARDABLE = {

@@ -34,11 +34,14 @@ def model_flops_per_step(m, vocab: int, global_batch: int) -> float:
     glu = 1.5 if m.swiglu else 1.0
     q_ratio = m.kv_channels * m.num_attention_heads / h
     attention = (1 + m.num_query_groups / m.num_attention_heads + s / h / 2) * q_ratio
-    if m.num_experts:
-        mlp = m.moe_ffn_hidden_size / h * m.moe_router_topk * glu
-        mlp += (m.moe_shared_expert_intermediate_size or 0) / h * glu
-    else:
-        mlp = m.ffn_hidden_size / h * glu
+    mlp = m.ffn_hidden_size / h * glu
+    if m.num_experts:  # the routed and shared experts' share of the layers (--moe-layer-freq), dense MLPs the rest
+        from megatron_md.models.presets import moe_layer_pattern
+
+        moe = sum(moe_layer_pattern(m)) / L
+        routed = m.moe_ffn_hidden_size / h * m.moe_router_topk * glu
+        routed += (m.moe_shared_expert_intermediate_size or 0) / h * glu
+        mlp = moe * routed + (1 - moe) * mlp
     logit = vocab / (2 * L * h)
     return 12.0 * global_batch * s * L * h * h * (attention + mlp + logit)
 

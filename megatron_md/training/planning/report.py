@@ -227,6 +227,10 @@ def make_plan(cfg, world: int, target: dict | int | None = None, headroom: float
     plan does not count)."""
     if isinstance(target, int):
         target = {"name": None, "memory": target, "source": "given"}
+    if cfg.model.num_experts and str(cfg.model.moe_layer_freq).strip() != "1":
+        raise ValueError(f"--moe-layer-freq {cfg.model.moe_layer_freq}: the plan counts every layer as an MoE layer "
+                         "and does not yet size models with dense layers; plan it with --moe-layer-freq 1 (an upper "
+                         "bound on the MLP memory)")
     lay = P.layout_of(cfg, world)
     on_cpu = cfg.training.device == "cpu" or (target is not None and target.get("name") == "cpu")
     if target is not None and target.get("name") == "cpu" and cfg.training.device == "cuda":
