@@ -195,9 +195,16 @@ def transformer_config(
             moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
             moe_router_bias_update_rate=m.moe_router_bias_update_rate,
             moe_permute_fusion=m.moe_permute_fusion,
-            moe_layer_freq=moe_layer_pattern(m),
+            moe_layer_freq=_layer_freq(m),
         )
     return TransformerConfig(**kwargs)
+
+
+def _layer_freq(m):
+    """megatron-core's moe_layer_freq: 1 when every layer is MoE (its default, which the exports check), else the
+    per-layer pattern."""
+    pattern = moe_layer_pattern(m)
+    return 1 if 0 not in pattern else pattern
 
 
 def layer_spec(model_cfg, config: TransformerConfig, *, use_te: bool) -> tuple[ModuleSpec, type]:
