@@ -184,6 +184,7 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/training/data/test_loader.py::test_one_reader_per_tp_group_and_every_rank_gets_its_batches": "tp2-2",
     "tests/training/data/test_loader.py::test_workers_change_no_number_and_evaluations_move_through_the_split": None,
     "tests/training/data/test_loader.py::test_document_switches_change_what_is_trained_on": None,
+    "tests/training/data/test_loader.py::test_per_split_paths_replace_data_path_and_split": None,
     # timers: kept the TP2 levels (PP2 and the CLI's --timing-log-option all are full-only)
     "tests/training/observability/test_timers.py::test_levels_add_timers_to_the_log_and_metrics_and_change_no_number":
         "tp2-muon_md",

@@ -87,3 +87,17 @@ def test_document_switches_change_what_is_trained_on(tmp_path, corpus):
         run_cli([*args, *extra, "--run-dir", str(tmp_path / name)])
         losses[name] = train_records(tmp_path / name)[0]["lm_loss"]
     assert len(set(losses.values())) == 4, losses
+
+
+def test_per_split_paths_replace_data_path_and_split(tmp_path, corpus):
+    """--train-data-path / --valid-data-path (megatron-core's blend_per_split): a run trains and evaluates on them;
+    mixing them with --data-path, or a validation path alone, is refused before any work."""
+    prefix, tok = corpus
+    args = ["train", "--model", "tiny-dense", "--tokenizer-model", tok, "--seq-length", "32", "--train-iters", "2",
+            "--global-batch-size", "2", "--eval-iters", "1", "--num-workers", "0", "--log-interval", "1", *QUIET]
+    run_cli([*args, "--train-data-path", prefix, "--valid-data-path", prefix, "--run-dir", str(tmp_path / "run")])
+    assert len(train_records(tmp_path / "run")) == 2 and len(eval_records(tmp_path / "run")) == 1
+    bad = run_cli([*args, "--data-path", prefix, "--train-data-path", prefix], check=False)
+    assert bad.returncode == 2 and "--data-path with --train/valid/test-data-path: give one" in bad.stderr
+    bad = run_cli([*args, "--valid-data-path", prefix], check=False)
+    assert bad.returncode == 2 and "need --train-data-path" in bad.stderr
