@@ -127,6 +127,7 @@ class Trainer:
         )
         self._announce()
         self.train_ds, self.valid_ds = self._datasets()
+        self.train_batches = self.valid_batches = None  # this rank's batch streams, opened by train()
         from megatron_md.training.observability.diagnostics import AttentionProbe
 
         self.probe = AttentionProbe(ckpt.unwrap(self.model)) if cfg.logging.diagnostics_interval else None
@@ -375,8 +376,7 @@ class Trainer:
         cfg, t, s, log = self.cfg, self.cfg.training, self.state, self.logger
         interval = self._new_interval()
         self.model.train()
-        self.train_batches = self._stage_batches(self.train_ds, s.consumed_samples)
-        self.valid_batches = None  # made at the first evaluation
+        self.train_batches = self._stage_batches(self.train_ds, s.consumed_samples)  # (validation's: at its first use)
         try:
             while s.iteration < t.train_iters:
                 self.profiler.before_step(s.iteration + 1)
