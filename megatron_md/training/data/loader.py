@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -63,10 +64,19 @@ def batch_sizes(schedule: Optional[str], gbs: int, micro: int, dp: int) -> Calla
     return size
 
 
+def _worker_ignores_preemption(_worker_id: int) -> None:
+    """A worker leaves SIGTERM, SIGUSR1 and SIGINT to its rank: a scheduler or torchrun signals the whole process
+    group, and a worker that died of it would fail the step the rank is finishing before it saves. The rank
+    stops its workers when it exits (and they exit by themselves if it dies)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def loader(dataset, sampler: GlobalBatchSampler, num_workers: int, pin: bool) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers, pin_memory=pin,
-        persistent_workers=False, prefetch_factor=2 if num_workers > 0 else None)
+        persistent_workers=False, prefetch_factor=2 if num_workers > 0 else None,
+        worker_init_fn=_worker_ignores_preemption if num_workers > 0 else None)
 
 
 def reads_here() -> bool:
