@@ -95,7 +95,7 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_md.training.data.batches import micro_batches
+    from megatron_md.training.data.loader import GlobalBatchSampler, loader
     from megatron.core.utils import unwrap_model as unwrap
     from megatron_md.training.data.datasets import build_gpt_datasets
     from megatron_md.training.step import make_forward_step
@@ -113,7 +113,8 @@ def _one(cfg, steps: int, rt, log) -> list[dict]:
     train, _, _ = build_gpt_datasets(cfg.data.data_path, cfg.data.split, cfg.model.seq_length, t.seed, tok,
                                      gbs, 1, 0, mock=cfg.data.mock_data, path_to_cache=cfg.data.data_cache_path,
                                      vocab_size=vocab)
-    batch = list(micro_batches(train, 0, gbs, t.micro_batch_size, 0, 1, rt.device))  # the same every step
+    first = GlobalBatchSampler(len(train), 0, lambda _c: gbs, t.micro_batch_size, 0, 1, limit=1)  # global batch 0
+    batch = [{k: v.to(rt.device) for k, v in mb.items()} for mb in loader(train, first, 0, pin=False)]  # every step
     gpt = unwrap(model)
     probe = _Probe(gpt)
     mats = _matrices(gpt)

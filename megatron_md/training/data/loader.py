@@ -1,7 +1,7 @@
 """The input pipeline: a torch DataLoader over batches.py's order, read on one rank per TP group.
 
 - ``GlobalBatchSampler`` yields the index lists of this data-parallel rank's micro-batches, global batch after
-  global batch, from any ``consumed_samples``: the order of ``batches.micro_batches`` (global batch k is samples
+  global batch, from any ``consumed_samples``: the order batches.py documents (global batch k is samples
   [k*G, (k+1)*G), each DP rank a contiguous slice), so a resume at any point reads what a straight run reads.
   With a batch-size ramp-up it asks its own instance of megatron-core's calculator for each batch's size.
 - ``loader`` wraps it in a ``torch.utils.data.DataLoader``: ``--num-workers`` processes read and collate ahead
