@@ -24,14 +24,15 @@ from megatron_md.training.config import RunConfig
 from megatron_md.training.validate import data_parallel_size, validate_config
 
 
-def setup_parallel(cfg: RunConfig):
-    """Runtime, process groups and seeds. Returns the Runtime."""
+def setup_parallel(cfg: RunConfig, check=validate_config):
+    """Runtime, process groups and seeds, after ``check(cfg, world)`` (the training checks; score, generate and
+    export pass ``validate_for_inference``). Returns the Runtime."""
     from megatron_md.runtime import activate, select_runtime
     from megatron_md.runtime.distributed import init_distributed
 
     rt = select_runtime(cfg.training.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_config(cfg, world)
+    check(cfg, world)
     activate(rt)
     minutes = cfg.training.distributed_timeout_minutes
     init_distributed(rt, timeout_s=round(60 * minutes))

@@ -155,6 +155,25 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
 
 
+def validate_for_inference(cfg: RunConfig, world_size: int = 1) -> None:
+    """What score, generate and export use of a saved config: the model, its layer backend and the tokenizer files.
+    Not the data, the schedule or the checkpoint directories: a checkpoint imported from Hugging Face names no
+    data, and none is needed to run it."""
+    m = cfg.model
+    errors = range_errors(cfg)
+    if not errors and m.num_attention_heads % m.num_query_groups:
+        errors.append(f"--num-attention-heads {m.num_attention_heads} is not a multiple of --num-query-groups "
+                      f"{m.num_query_groups}")
+    errors += backend_errors(cfg) + moe_layer_errors(cfg)
+    d = cfg.data
+    if not d.mock_data and d.tokenizer_type != "NullTokenizer" and (d.tokenizer_model or d.vocab_file or d.merge_file):
+        from megatron_md.training.data.tokenizer import tokenizer_errors
+
+        errors += tokenizer_errors(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+    if errors:
+        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
+
+
 def moe_layer_errors(cfg: RunConfig) -> list[str]:
     """--moe-layer-freq: a pattern that parses, with at least one MoE layer; a dense model leaves it at 1."""
     from megatron_md.models.presets import moe_layer_pattern

@@ -134,6 +134,16 @@ def test_import_export_round_trip_and_continue_training(runs):
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     assert cfg_a == cfg_b
+    # score and generate run on it although its config names no data, and give the source checkpoint's numbers
+    text = "def main(args):\n    return args"
+    scored = [run_cli(["score", "--load", str(c), "--text", text]).stdout.strip().splitlines()[-1].split(" (")[0]
+              for c in (ck, runs.dense)]
+    assert scored[0] == scored[1] and scored[0].startswith("mean token loss: "), scored
+    made = [run_cli(["generate", "--load", str(c), "--prompt", "def main(", "--max-new-tokens", "4", "--ids"]).stdout
+            for c in (ck, runs.dense)]
+    assert made[0] == made[1] and made[0].strip(), made
+    bad = run_cli(["score", "--load", str(ck), "--validation"], check=False)  # what it cannot do, said plainly
+    assert bad.returncode == 2 and "names no data to validate on" in bad.stderr, bad.stderr[-500:]
     # The imported checkpoint trains on: weights only, MD gains start from them.
     run_cfg = ck / "iter_0000000" / "run_config.yaml"
     saved = yaml.safe_load(run_cfg.read_text())

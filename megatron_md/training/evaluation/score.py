@@ -43,7 +43,9 @@ def load_for_inference(load_dir: str, device: str = "cpu", verify: bool = True):
     from megatron_md.models.builder import build_model
     from megatron_md.training.build import make_tokenizer, setup_parallel, vocab_size_for
 
-    rt = setup_parallel(cfg)
+    from megatron_md.training.validate import validate_for_inference
+
+    rt = setup_parallel(cfg, check=validate_for_inference)  # (an imported checkpoint names no data: none is needed)
     tokenizer = make_tokenizer(cfg)
     model = build_model(cfg, vocab_size_for(cfg, tokenizer), cpu=rt.name == "cpu")
     if rt.name == "cuda":
@@ -112,6 +114,10 @@ def score_validation(cfg: RunConfig, model, tokenizer, device) -> tuple[float, i
 def score_main(args) -> int:
     cfg, model, tokenizer, rt = load_for_inference(args.load, args.device, verify=not args.no_verify_checkpoint)
     if args.validation:
+        d = cfg.data
+        if not (d.mock_data or d.data_path or d.valid_data_path):
+            raise ValueError(f"--validation: the checkpoint in {args.load} names no data to validate on (a "
+                             "checkpoint imported from Hugging Face, say); score --text or --text-file instead")
         loss, n = score_validation(cfg, model, tokenizer, rt.device)
         what = "validation set"
     else:
