@@ -41,8 +41,8 @@ def _refuse(field: str, why: str):
 
 # ----------------------------------------------------------------------------- family choice
 
-# TransformerConfig settings our ModelConfig does not expose; a value other than megatron's
-# default would change the forward pass in a way no target reproduces.
+# TransformerConfig settings whose non-default values change the forward pass in a way no target reproduces.
+# Several are run flags (FLAGS: the refusal names the flag); the rest no run config sets.
 _MCORE_FIXED = {
     "softmax_scale": None,
     "rotary_interleaved": False,
@@ -59,6 +59,17 @@ _MCORE_MOE_FIXED = {
     "moe_router_num_groups": None,
     "moe_input_jitter_eps": None,
 }
+FLAGS = {
+    "layernorm_zero_centered_gamma": ("--apply-layernorm-1p", "no exported family stores norm weights as scale - 1"),
+    "moe_router_score_function": ("--moe-router-score-function", "the exported MoE families route by softmax"),
+    "moe_layer_freq": ("--moe-layer-freq", "Qwen3-MoE and Mixtral have no dense layers among MoE ones here"),
+    "moe_shared_expert_intermediate_size": (
+        "--moe-shared-expert-intermediate-size", "Qwen3-MoE and Mixtral have no shared expert, and Qwen2-MoE's "
+        "is gated by a sigmoid that megatron's shared expert here does not have"),
+    "moe_expert_capacity_factor": ("--moe-expert-capacity-factor", "token dropping has no Hugging Face counterpart"),
+    "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias",
+                                      "the exported MoE families have no expert bias"),
+}
 
 
 def check_mcore(tc) -> bool:
@@ -66,6 +77,10 @@ def check_mcore(tc) -> bool:
     fixed = dict(_MCORE_FIXED, **(_MCORE_MOE_FIXED if tc.num_moe_experts else {}))
     for name, want in fixed.items():
         have = getattr(tc, name, want)
+        if have != want and name in FLAGS:
+            flag, why = FLAGS[name]
+            raise ConversionError(f"{flag} {have}: cannot be exported ({why}); the export takes the default "
+                                  f"({want!r})")
         if have != want:
             raise ConversionError(
                 f"megatron TransformerConfig.{name}={have!r} (expected {want!r}): no supported Hugging "

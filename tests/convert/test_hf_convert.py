@@ -247,8 +247,14 @@ def test_unsupported_megatron_routing_and_hf_imports_are_refused():
     from megatron_md.convert.mappings import ConversionError, check_mcore, model_overrides_from_hf
 
     router = SimpleNamespace(num_moe_experts=4, moe_router_score_function="sigmoid")
-    with pytest.raises(ConversionError, match="moe_router_score_function='sigmoid'"):
+    with pytest.raises(ConversionError, match="--moe-router-score-function sigmoid: cannot be exported"):
         check_mcore(router)
+    for name, value, flag in [("moe_shared_expert_intermediate_size", 64, "--moe-shared-expert-intermediate-size"),
+                              ("moe_expert_capacity_factor", 1.25, "--moe-expert-capacity-factor")]:
+        with pytest.raises(ConversionError, match=f"{flag} {value}: cannot be exported"):  # by the flag a user set
+            check_mcore(SimpleNamespace(num_moe_experts=4, **{name: value}))
+    with pytest.raises(ConversionError, match="moe_router_num_groups=2"):  # no run flag sets it: megatron's name
+        check_mcore(SimpleNamespace(num_moe_experts=4, moe_router_num_groups=2))
     with pytest.raises(ConversionError, match="dense qwen3 and llama"):
         model_overrides_from_hf({"model_type": "qwen3_moe"})
     with pytest.raises(ConversionError, match="rope type 'yarn'"):
