@@ -357,6 +357,12 @@ def cmd_demo(argv: list[str]) -> int:
     return rc
 
 
+def cmd_convert(argv: list[str]) -> int:
+    from megatron_md.convert.command import main as convert_main
+
+    return convert_main(argv)
+
+
 def cmd_lr_sweep(argv: list[str]) -> int:
     from megatron_md.sweep import main as sweep_main
 
@@ -392,14 +398,14 @@ def cmd_recipes(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "params": cmd_params, "plan": cmd_plan, "score": cmd_score,
-            "generate": cmd_generate, "demo": cmd_demo, "lr-sweep": cmd_lr_sweep,
+            "generate": cmd_generate, "convert": cmd_convert, "demo": cmd_demo, "lr-sweep": cmd_lr_sweep,
             "recipes": cmd_recipes}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: megatron-md {train,params,plan,score,generate,lr-sweep,demo,recipes} [options]   "
+        print("usage: megatron-md {train,params,plan,score,generate,convert,lr-sweep,demo,recipes} [options]   "
               "(megatron-md CMD --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])

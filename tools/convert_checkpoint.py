@@ -1,81 +1,11 @@
 #!/usr/bin/env python
-"""Convert between megatron_md ``torch_dist`` checkpoints and Hugging Face model directories.
-
-    python tools/convert_checkpoint.py export --load RUN_CKPT_DIR [--iteration N] --output HF_DIR
-    python tools/convert_checkpoint.py import --hf HF_DIR --output CKPT_DIR [--config RUN.yaml]
-
-Export reads a checkpoint saved at any TP/PP/EP layout in one CPU process; import takes dense
-Qwen3 / Llama directories. See megatron_md/convert/README.md for the architecture of each family.
-"""
+"""Alias of ``megatron-md convert`` (megatron_md/convert/command.py), kept for scripts that call it."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import sys
-import warnings
 
-
-def _quiet() -> None:
-    for cat in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=cat)
-    for name in ("megatron.core", "torch.utils.cpp_extension", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="our checkpoint -> Hugging Face directory")
-    e.add_argument("--load", required=True, help="Checkpoint root (holds latest_checkpointed_iteration.txt).")
-    e.add_argument("--iteration", type=int, help="Which iter_ to export (default: the latest).")
-    e.add_argument("--output", required=True, help="HF directory to write (empty or new).")
-    e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="Tensor dtype written (default: the run's, bfloat16 for --bf16 runs, else float32).")
-    e.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard, e.g. 5GB, 500MB.")
-    e.add_argument("--verify", action="store_true",
-                   help="Load the result with transformers and compare its logits with ours on sample tokens.")
-    e.add_argument("--tolerance", type=float, default=1e-4,
-                   help="--verify fails above this max|a-b|/max|b| of the logits.")
-    e.add_argument("--dump-logits", help="--verify: also save our tokens and logits (torch.save) here.")
-    e.add_argument("--no-verify-checkpoint", action="store_true",
-                   help="Read the checkpoint without checking its files against its checksums.json.")
-    i = sub.add_parser("import", help="dense Hugging Face Qwen3/Llama directory -> our checkpoint")
-    i.add_argument("--hf", required=True, help="HF directory (config.json + safetensors).")
-    i.add_argument("--output", required=True, help="Checkpoint root to write (empty or new).")
-    i.add_argument("--config", help="YAML of training settings for run_config.yaml (model comes from config.json).")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    _quiet()
-    from megatron_md.convert.mappings import ConversionError
-
-    try:
-        if args.cmd == "export":
-            from megatron_md.convert.hf_export import export_checkpoint
-
-            report = export_checkpoint(
-                args.load, args.output, iteration=args.iteration, dtype=args.dtype,
-                max_shard_size=args.max_shard_size, verify=args.verify or bool(args.dump_logits),
-                dump_logits=args.dump_logits, check_integrity=not args.no_verify_checkpoint,
-            )
-        else:
-            from megatron_md.convert.hf_import import import_checkpoint
-
-            report = import_checkpoint(args.hf, args.output, config=args.config)
-    except (ConversionError, ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"convert_checkpoint.py {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report))
-    err = report.get("max_rel_error")
-    if err is not None and not err <= args.tolerance:
-        print(f"convert_checkpoint.py export: logits differ: {err:.3e} > --tolerance {args.tolerance}", file=sys.stderr)
-        return 1
-    return 0
-
+from megatron_md.convert.command import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="convert_checkpoint.py"))

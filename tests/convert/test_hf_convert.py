@@ -1,7 +1,7 @@
 """Hugging Face export/import: logits match transformers, round trips are exact, refusals are clear.
 
 End to end: tiny-dense (PP2) and tiny-moe (bf16, TP2 x EP2 with sequence parallelism), each on 2 gloo ranks,
-train 3 MuonMD steps on the embedded corpus, are exported through tools/convert_checkpoint.py and
+train 3 MuonMD steps on the embedded corpus, are exported through ``megatron-md convert`` and
 loaded with ``AutoModelForCausalLM``. In-process: every other family (Llama, Mixtral, Qwen3-MoE
 without top-k renormalisation, Gemma3, GPT-2) from a freshly built model with perturbed norms.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from mdtest import QUIET, run_cli, run_tool
+from mdtest import QUIET, run_cli
 
 TOL = 1e-4
 TRAIN = [
@@ -27,7 +27,7 @@ TRAIN = [
 
 
 def convert(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    return run_tool("tools/convert_checkpoint.py", args, check=check)
+    return run_cli(["convert", *args], check=check)
 
 
 def rel(a, b) -> float:
@@ -68,7 +68,7 @@ def _export_and_compare(ckpt, out, *extra):
 @pytest.mark.multirank
 @pytest.mark.e2e
 def test_dense_export_logits_and_tokenizer(runs):
-    """(e2e: tools/convert_checkpoint.py in a fresh interpreter, as a user runs it.)"""
+    """(e2e: ``megatron-md convert`` in a fresh interpreter, as a user runs it.)"""
     out = runs.dir / "hf_dense"
     report, cfg = _export_and_compare(runs.dense, out, "--max-shard-size", "100KB")
     assert report["family"] == "qwen3" and cfg["architectures"] == ["Qwen3ForCausalLM"]
