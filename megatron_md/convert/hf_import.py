@@ -1,4 +1,4 @@
-"""Import a dense Hugging Face Qwen3 / Llama directory as our ``torch_dist`` checkpoint.
+"""Import a Hugging Face Qwen3, Llama, Qwen3-MoE or Mixtral directory as our ``torch_dist`` checkpoint.
 
 Writes ``OUTPUT/iter_0000000/`` (model weights only: no optimizer, scheduler or RNG state),
 ``run_config.yaml`` derived from ``config.json`` (training settings from ``--config``), the
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_md.convert.mappings import ConversionError, choose_family, hf_to_megatron
-from megatron_md.convert.mappings import model_overrides_from_hf
+from megatron_md.convert.import_map import hf_to_megatron, model_overrides_from_hf
+from megatron_md.convert.mappings import ConversionError, choose_family
 
 # Buffers some HF checkpoints carry that are recomputed from the config.
 _IGNORED = ("rotary_emb.inv_freq",)
 # Model fields that are training choices rather than the architecture: --config may set them.
 _TRAINING_CHOICES = ("seq_length", "init_method_std", "attention_dropout", "hidden_dropout",
-                     "make_vocab_size_divisible_by")
+                     "make_vocab_size_divisible_by", "moe_aux_loss_coeff")
 
 
 def read_hf_dir(hf_dir: str | Path) -> tuple[dict, dict]:
@@ -163,7 +163,7 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path, *, config: str | N
     hc, hf = read_hf_dir(hf_dir)
     cfg = import_config(hc, config, hf_dir)
     m = cfg.model
-    fam = choose_family(m)
+    fam = choose_family(m, pre_softmax=m.num_experts is not None and m.moe_router_pre_softmax)
     if fam.name != hc["model_type"]:
         raise ConversionError(f"internal: config.json {hc['model_type']} maps back to {fam.name}")
     tok_src, tok_note = _tokenizer_for(cfg, hf_dir, m.vocab_size)
@@ -178,7 +178,7 @@ def import_checkpoint(hf_dir: str | Path, output: str | Path, *, config: str | N
         for k, v in checkpoint_tokenizer_paths(tok_src.tokenizer_type, final.resolve()).items():
             setattr(cfg.data, k, v)
     tracked = _Tracking(hf)
-    mapped = hf_to_megatron(m, tracked)
+    mapped = hf_to_megatron(m, tracked, hc["model_type"])
     # A tied model's lm_head.weight (some checkpoints store it) is ignored by transformers too.
     unused = sorted(k for k in hf if k not in tracked.used and not k.endswith(_IGNORED)
                     and not (k == "lm_head.weight" and not m.untie_embeddings_and_output_weights))

@@ -32,9 +32,6 @@ class Family:
     norm_topk_prob: bool = True  # qwen3_moe: renormalise the top-k router probabilities
 
 
-IMPORTABLE = ("qwen3", "llama")  # dense HF model types that import back into our format
-
-
 def _refuse(field: str, why: str):
     raise ConversionError(f"model.{field} (--{field.replace('_', '-')}): {why}")
 
@@ -380,78 +377,4 @@ def _to_gpt2(m, sd: dict) -> dict:
     out["transformer.ln_f.bias"] = _own(sd["decoder.final_layernorm.bias"])
     if m.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = _own(sd["output_layer.weight"])
-    return out
-
-
-# ----------------------------------------------------------------------------- HF -> megatron
-
-def model_overrides_from_hf(hc: dict) -> dict:
-    """ModelConfig fields of a dense Qwen3 / Llama ``config.json``; refuses what we cannot build."""
-    mt = hc.get("model_type")
-    if mt not in IMPORTABLE:
-        raise ConversionError(
-            f"config.json model_type {mt!r}: import supports dense {' and '.join(IMPORTABLE)} checkpoints "
-            "(MoE and other architectures are export-only)"
-        )
-    if hc.get("hidden_act", "silu") != "silu":
-        raise ConversionError(f"config.json hidden_act {hc['hidden_act']!r}: our SwiGLU uses silu")
-    rope = hc.get("rope_parameters") or hc.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConversionError(f"config.json rope type {rope.get('rope_type')!r}: only plain RoPE is supported")
-    theta = float(rope.get("rope_theta", hc.get("rope_theta", 10000.0)))
-    if theta != int(theta):
-        raise ConversionError(f"config.json rope_theta {theta}: --rotary-base is an integer")
-    if hc.get("use_sliding_window") or (mt == "llama" and hc.get("sliding_window")):
-        raise ConversionError("config.json use_sliding_window: sliding-window attention is not supported")
-    bias = bool(hc.get("attention_bias", False))
-    if mt == "qwen3" and bias:
-        raise ConversionError("config.json attention_bias with Qwen3: megatron's linear biases cover the MLP too")
-    if mt == "llama" and bias != bool(hc.get("mlp_bias", False)):
-        raise ConversionError("config.json attention_bias != mlp_bias: megatron biases all linear layers or none")
-    if (hc.get("pretraining_tp") or 1) != 1:
-        raise ConversionError("config.json pretraining_tp != 1 is not supported")
-    heads = hc["num_attention_heads"]
-    vocab = hc["vocab_size"]
-    max_pos = hc.get("max_position_embeddings", 4096)
-    return dict(
-        num_layers=hc["num_hidden_layers"], hidden_size=hc["hidden_size"], num_attention_heads=heads,
-        num_query_groups=hc.get("num_key_value_heads") or heads,
-        kv_channels=hc.get("head_dim") or hc["hidden_size"] // heads,
-        ffn_hidden_size=hc["intermediate_size"], max_position_embeddings=max_pos,
-        seq_length=min(max_pos, 4096), vocab_size=vocab,
-        # the largest power of two (<= 128) dividing the vocabulary: TP1 padding keeps it as is
-        make_vocab_size_divisible_by=math.gcd(vocab, 128),
-        position_embedding_type="rope", rotary_base=int(theta), normalization="RMSNorm",
-        norm_epsilon=float(hc.get("rms_norm_eps", 1e-6)), swiglu=True,
-        untie_embeddings_and_output_weights=not hc.get("tie_word_embeddings", False),
-        disable_bias_linear=not bias, qk_layernorm=mt == "qwen3",
-        init_method_std=float(hc.get("initializer_range", 0.02)),
-        attention_dropout=0.0, hidden_dropout=0.0, sandwich_norm=False, layer_scale=False,
-        embedding_scale=False, num_experts=None,
-    )
-
-
-def hf_to_megatron(m, hf: dict) -> dict:
-    """A dense Qwen3 / Llama HF state dict -> our TP1 state dict (inverse of megatron_to_hf)."""
-    heads, groups, d = m.num_attention_heads, m.num_query_groups, m.kv_channels
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
-    for i in range(m.num_layers):
-        s, t = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[s + "input_layernorm.weight"] = hf[t + "input_layernorm.weight"]
-        kinds = ("weight",) if m.disable_bias_linear else ("weight", "bias")
-        for kind in kinds:
-            q, k, v = (hf[t + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
-            out[s + f"self_attention.linear_qkv.{kind}"] = merge_qkv(q, k, v, heads, groups, d)
-            out[s + f"self_attention.linear_proj.{kind}"] = hf[t + f"self_attn.o_proj.{kind}"]
-            out[s + f"mlp.linear_fc1.{kind}"] = torch.cat(
-                [hf[t + f"mlp.gate_proj.{kind}"], hf[t + f"mlp.up_proj.{kind}"]], dim=0
-            )
-            out[s + f"mlp.linear_fc2.{kind}"] = hf[t + f"mlp.down_proj.{kind}"]
-        if m.qk_layernorm:
-            out[s + "self_attention.q_layernorm.weight"] = hf[t + "self_attn.q_norm.weight"]
-            out[s + "self_attention.k_layernorm.weight"] = hf[t + "self_attn.k_norm.weight"]
-        out[s + "pre_mlp_layernorm.weight"] = hf[t + "post_attention_layernorm.weight"]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if m.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = hf["lm_head.weight"]
     return out

@@ -192,6 +192,7 @@ def transformer_config(
             moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
             moe_router_dtype=m.moe_router_dtype,
             moe_router_score_function=m.moe_router_score_function,
+            moe_router_pre_softmax=m.moe_router_pre_softmax,
             moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
             moe_router_bias_update_rate=m.moe_router_bias_update_rate,
             moe_permute_fusion=m.moe_permute_fusion,

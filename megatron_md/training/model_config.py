@@ -81,6 +81,9 @@ class ModelConfig:
     moe_router_score_function: str = opt(
         "softmax", "Router scores: a softmax over the experts, or an independent sigmoid (or sqrt-softplus) per "
         "expert, as DeepSeek-V3.", ["softmax", "sigmoid", "sqrtsoftplus"])
+    moe_router_pre_softmax: bool = opt(
+        False, "Router probabilities: a softmax over all experts before the top-k choice, not renormalised "
+        "over the chosen ones (Qwen3-MoE's norm_topk_prob false); default: top-k of the logits, softmax over those.")
     moe_router_enable_expert_bias: bool = opt(
         False, "Aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice only, moved "
         "after every global batch toward even loads; a buffer, not a parameter (no optimizer steps it), kept in "

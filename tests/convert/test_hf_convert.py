@@ -244,7 +244,8 @@ def test_unsupported_configs_are_refused(preset, overrides, field):
 
 
 def test_unsupported_megatron_routing_and_hf_imports_are_refused():
-    from megatron_md.convert.mappings import ConversionError, check_mcore, model_overrides_from_hf
+    from megatron_md.convert.import_map import model_overrides_from_hf
+    from megatron_md.convert.mappings import ConversionError, check_mcore
 
     router = SimpleNamespace(num_moe_experts=4, moe_router_score_function="sigmoid")
     with pytest.raises(ConversionError, match="--moe-router-score-function sigmoid: cannot be exported"):
@@ -255,8 +256,8 @@ def test_unsupported_megatron_routing_and_hf_imports_are_refused():
             check_mcore(SimpleNamespace(num_moe_experts=4, **{name: value}))
     with pytest.raises(ConversionError, match="moe_router_num_groups=2"):  # no run flag sets it: megatron's name
         check_mcore(SimpleNamespace(num_moe_experts=4, moe_router_num_groups=2))
-    with pytest.raises(ConversionError, match="dense qwen3 and llama"):
-        model_overrides_from_hf({"model_type": "qwen3_moe"})
+    with pytest.raises(ConversionError, match="import supports qwen3, llama"):
+        model_overrides_from_hf({"model_type": "gemma3"})
     with pytest.raises(ConversionError, match="rope type 'yarn'"):
         model_overrides_from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})
 
