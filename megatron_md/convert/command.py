@@ -1,7 +1,9 @@
-"""``megatron-md convert``: checkpoints to and from Hugging Face (``tools/convert_checkpoint.py`` is an alias).
+"""``megatron-md convert``: checkpoints to and from Hugging Face (``tools/convert_checkpoint.py`` is an alias), and
+from Megatron-LM.
 
     megatron-md convert export --load RUN_CKPT_DIR [--iteration N] --output HF_DIR [--verify]
     megatron-md convert import --hf HF_DIR --output CKPT_DIR [--config RUN.yaml]
+    megatron-md convert megatron-lm --load MLM_CKPT_DIR --output CKPT_DIR
 
 Export reads a checkpoint saved at any TP/PP/EP layout in one CPU process; import takes the Hugging Face
 families of convert/README.md (dense and MoE). Errors are one line and exit 2; a ``--verify`` above
@@ -25,7 +27,7 @@ def _quiet() -> None:
 
 
 def parser(prog: str = "megatron-md convert") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Convert checkpoints to and from Hugging Face (see megatron_md/convert/README.md).", allow_abbrev=False)
+    p = argparse.ArgumentParser(prog=prog, description="Convert checkpoints to and from Hugging Face, and from Megatron-LM (see megatron_md/convert/README.md).", allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="our checkpoint -> Hugging Face directory", allow_abbrev=False)
     e.add_argument("--load", required=True, help="Checkpoint root (holds latest_checkpointed_iteration.txt).")
@@ -46,6 +48,10 @@ def parser(prog: str = "megatron-md convert") -> argparse.ArgumentParser:
     i.add_argument("--hf", required=True, help="HF directory (config.json + safetensors).")
     i.add_argument("--output", required=True, help="Checkpoint root to write (empty or new).")
     i.add_argument("--config", help="YAML of training settings for run_config.yaml (model comes from config.json).")
+    m = sub.add_parser("megatron-lm", help="Megatron-LM torch_dist checkpoint -> our checkpoint with a run_config.yaml "
+                       "from its saved args", allow_abbrev=False)
+    m.add_argument("--load", required=True, help="Megatron-LM checkpoint root (holds latest_checkpointed_iteration.txt).")
+    m.add_argument("--output", required=True, help="Checkpoint root to write (empty or new).")
     return p
 
 
@@ -63,6 +69,10 @@ def main(argv: list[str] | None = None, prog: str = "megatron-md convert") -> in
                 max_shard_size=args.max_shard_size, verify=args.verify or bool(args.dump_logits),
                 dump_logits=args.dump_logits, check_integrity=not args.no_verify_checkpoint,
             )
+        elif args.cmd == "megatron-lm":
+            from megatron_md.training.checkpoints.megatron_lm import convert
+
+            report = convert(args.load, args.output, log=lambda line: print(line, file=sys.stderr))
         else:
             from megatron_md.convert.hf_import import import_checkpoint
 

@@ -170,12 +170,20 @@ class Trainer:
 
     def _maybe_load(self) -> bool:
         c = self.cfg.checkpoint
-        if c.load and ckpt.latest_iteration(c.load) is not None:
+        from megatron_md.training.checkpoints import megatron_lm
+
+        # Megatron-LM's own checkpoints (no run_config.yaml; its args in the common state) load through their reader
+        if found := megatron_lm.find(c.load):
+            common = megatron_lm.load(
+                c.load, *found, self.model, self.optimizer, self.scheduler, load_optim=not c.no_load_optim,
+                cfg=self.cfg, fully_parallel=c.ckpt_fully_parallel_load, log=self.logger_lines.append)
+        elif c.load and ckpt.latest_iteration(c.load) is not None:
             common = ckpt.load_checkpoint(
                 c.load, self.model, self.optimizer, self.scheduler,
                 load_optim=not c.no_load_optim, load_rng=not c.no_load_rng, layer_wise=layer_wise(self.cfg),
                 verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load,
             )
+        if c.load and (found or ckpt.latest_iteration(c.load) is not None):
             self.state.iteration = common["iteration"]
             self.state.consumed_samples = common["consumed_samples"]
             extra = common.get("extra", {})
@@ -184,7 +192,12 @@ class Trainer:
             self.logger_lines += self.hooks.load_state_dict(extra.get("auto_policy"), self.optimizer)
             self._loaded_from = common["path"]
             return True
-        if c.pretrained_checkpoint:
+        if c.pretrained_checkpoint and (found := megatron_lm.find(c.pretrained_checkpoint)):
+            common = megatron_lm.load(
+                c.pretrained_checkpoint, *found, self.model, self.optimizer, load_optim=False, cfg=self.cfg,
+                fully_parallel=c.ckpt_fully_parallel_load, log=self.logger_lines.append)
+            self._loaded_from = common["path"] + " (Megatron-LM, weights only)"
+        elif c.pretrained_checkpoint:
             common = ckpt.load_checkpoint(
                 c.pretrained_checkpoint, self.model, self.optimizer, load_optim=False, load_rng=False,
                 verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load,

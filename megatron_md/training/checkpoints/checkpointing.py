@@ -340,7 +340,8 @@ def load_checkpoint(
     loaded = dist_checkpointing.load(state, str(path), sharded_strategy=load_strategy(path, fully_parallel))
     unwrap(model).load_state_dict(loaded["model"])
     if with_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # fp32 distributed Adam's main params are views of the model's (leaf) params
+            optimizer.load_state_dict(loaded["optimizer"])
         after_load(optimizer)
         multi_tensor.use_foreach(optimizer)  # the load replaced the param groups (and their foreach)
         if "md" in loaded:

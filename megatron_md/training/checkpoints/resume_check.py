@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_md.training.checkpoints import megatron_lm
 from megatron_md.training.checkpoints.integrity import iter_dir, latest_iteration
 
 # Settings that shape the model's parameters: a checkpoint saved with another value cannot be loaded.
@@ -64,6 +65,8 @@ def check_checkpoint_fits(cfg) -> list[str]:
     allowed = []
     for flag_name in ("load", "pretrained_checkpoint"):
         root = getattr(cfg.checkpoint, flag_name)
+        if megatron_lm.check_fits(root, cfg, flag_name):  # Megatron-LM's layout: its saved args are compared
+            continue
         saved = saved_run_config(root) if root else None
         if saved is None:
             continue
