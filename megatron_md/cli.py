@@ -308,6 +308,44 @@ def cmd_generate(argv: list[str]) -> int:
         return 2
 
 
+def cmd_eval(argv: list[str]) -> int:
+    quiet_megatron()
+    p = argparse.ArgumentParser(
+        prog="megatron-md eval",
+        description="lm-evaluation-harness tasks on a checkpoint, in this process (needs the eval extra: "
+                    "pip install 'megatron-md[eval]').",
+        epilog="Results: lm-eval's results as JSON in RUN_DIR/eval/lm_eval_iter_<iteration>.json (or --output) "
+               "and one record per task metric appended to RUN_DIR/metrics.jsonl.")
+    p.add_argument("--load", required=True, help="Checkpoint directory (with latest_checkpointed_iteration.txt).")
+    p.add_argument("--tasks", required=True, help="Comma-separated lm-eval task names (globs such as arc_* too).")
+    p.add_argument("--include-path", metavar="DIR", help="Directory of custom task YAMLs.")
+    p.add_argument("--num-fewshot", type=int, help="Few-shot examples per prompt (default: each task's own).")
+    p.add_argument("--limit", help="Examples per task: a count, or a fraction below 1 (default: all).")
+    p.add_argument("--batch-size", type=int, default=8, help="Log-likelihood requests per forward pass.")
+    p.add_argument("--run-dir", help="Where eval/ and metrics.jsonl go (default: the checkpoint's run directory, "
+                                     "when it exists here).")
+    p.add_argument("--output", metavar="FILE", help="The results JSON (default RUN_DIR/eval/lm_eval_iter_N.json).")
+    p.add_argument("--log-samples", action="store_true",
+                   help="Also write every request and the model's answers beside the results "
+                        "(<output stem>_samples_<task>.jsonl).")
+    p.add_argument("--seed", type=int, default=1234, help="Seed of lm-eval's few-shot sampling and RNGs.")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument(
+        "--no-verify-checkpoint", action="store_true",
+        help="Load without checking the files against the checkpoint's checksums.json.",
+    )
+    a = p.parse_args(argv)
+    try:
+        from megatron_md.training.evaluation.lm_eval import eval_main
+
+        return eval_main(a)
+    except (ImportError, ValueError, FileNotFoundError) as e:
+        if isinstance(e, ImportError) and "megatron-md[eval]" not in str(e):
+            raise  # only the missing extra is the user's to fix
+        print(f"megatron-md eval: error: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_demo(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="megatron-md demo", description="Train tiny-moe with EP=2 on 2 CPU ranks.",
@@ -398,15 +436,15 @@ def cmd_recipes(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "params": cmd_params, "plan": cmd_plan, "score": cmd_score,
-            "generate": cmd_generate, "convert": cmd_convert, "demo": cmd_demo, "lr-sweep": cmd_lr_sweep,
-            "recipes": cmd_recipes}
+            "generate": cmd_generate, "eval": cmd_eval, "convert": cmd_convert, "demo": cmd_demo,
+            "lr-sweep": cmd_lr_sweep, "recipes": cmd_recipes}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: megatron-md {train,params,plan,score,generate,convert,lr-sweep,demo,recipes} [options]   "
-              "(megatron-md CMD --help)")
+        print("usage: megatron-md {train,params,plan,score,generate,eval,convert,lr-sweep,demo,recipes} "
+              "[options]   (megatron-md CMD --help)")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

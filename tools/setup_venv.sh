@@ -47,5 +47,6 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] 
     $PIP install "torch==$TORCH_VERSION"
 fi
 echo "[setup] installing megatron_md and its dependencies"
-$PIP install -e ".[dev]" "torch==$TORCH_VERSION"
+# eval: lm-eval for `megatron-md eval` and its test (about 600 MB: pyarrow, scipy, pandas, scikit-learn)
+$PIP install -e ".[dev,eval]" "torch==$TORCH_VERSION"
 echo "[setup] done: $($PY -c 'import sys, torch, megatron.core as m; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}")')"
