@@ -27,7 +27,7 @@ class ConversionError(ValueError):
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # qwen3 | llama | qwen3_moe | mixtral | gemma3 | gpt2
+    name: str  # qwen3 | llama | qwen3_moe | qwen2_moe | mixtral | gemma3 | gpt2
     hf_class: str  # config.json "architectures" entry
     norm_topk_prob: bool = True  # qwen3_moe: renormalise the top-k router probabilities
 
@@ -50,7 +50,6 @@ _MCORE_MOE_FIXED = {
     "moe_router_score_function": "softmax",  # sigmoid routing (DeepSeek-V3 style) is not mapped
     "moe_router_topk_scaling_factor": None,
     "moe_layer_freq": 1,  # every layer MoE (Qwen3-MoE decoder_sparse_step=1)
-    "moe_shared_expert_intermediate_size": None,
     "moe_expert_capacity_factor": None,  # token dropping has no HF counterpart
     "moe_router_enable_expert_bias": False,
     "moe_router_num_groups": None,
@@ -61,8 +60,8 @@ FLAGS = {
     "moe_router_score_function": ("--moe-router-score-function", "the exported MoE families route by softmax"),
     "moe_layer_freq": ("--moe-layer-freq", "Qwen3-MoE and Mixtral have no dense layers among MoE ones here"),
     "moe_shared_expert_intermediate_size": (
-        "--moe-shared-expert-intermediate-size", "Qwen3-MoE and Mixtral have no shared expert, and Qwen2-MoE's "
-        "is gated by a sigmoid that megatron's shared expert here does not have"),
+        "--moe-shared-expert-intermediate-size", "the one exported family with a shared expert, Qwen2-MoE, gates "
+        "it by a sigmoid: add --moe-shared-expert-gate"),
     "moe_expert_capacity_factor": ("--moe-expert-capacity-factor", "token dropping has no Hugging Face counterpart"),
     "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias",
                                       "the exported MoE families have no expert bias"),
@@ -72,6 +71,8 @@ FLAGS = {
 def check_mcore(tc) -> bool:
     """Refuse megatron settings no target reproduces; returns ``moe_router_pre_softmax``."""
     fixed = dict(_MCORE_FIXED, **(_MCORE_MOE_FIXED if tc.num_moe_experts else {}))
+    if tc.num_moe_experts and not getattr(tc, "moe_shared_expert_gate", False):
+        fixed["moe_shared_expert_intermediate_size"] = None  # an ungated shared expert: no family has one
     for name, want in fixed.items():
         have = getattr(tc, name, want)
         if have != want and name in FLAGS:
@@ -110,12 +111,17 @@ def choose_family(m, *, pre_softmax: bool = False) -> Family:
         if m.embedding_scale and tied:
             _refuse("embedding_scale", "with tied embeddings the sqrt(hidden) input scale cannot be folded "
                     "into the shared matrix, and no supported MoE architecture scales embeddings itself")
+        if m.moe_shared_expert_intermediate_size or m.add_qkv_bias:
+            return _qwen2_moe_family(m, pre_softmax)
         if m.qk_layernorm:
             return Family("qwen3_moe", "Qwen3MoeForCausalLM", norm_topk_prob=not pre_softmax)
         if pre_softmax:
             _refuse("qk_layernorm", "without QK-norm the MoE target is Mixtral, which always renormalises "
                     "the top-k router probabilities; this router (moe_router_pre_softmax) does not")
         return Family("mixtral", "MixtralForCausalLM")
+    if m.add_qkv_bias and m.disable_bias_linear:
+        _refuse("add_qkv_bias", "q/k/v-only biases export as Qwen2-MoE (a MoE model with a gated shared expert); "
+                "no dense family is mapped for them")
     if m.sandwich_norm:
         # Gemma3 is the HF decoder with post-attention and post-feedforward norms.
         if not m.qk_layernorm:
@@ -138,6 +144,20 @@ def choose_family(m, *, pre_softmax: bool = False) -> Family:
                     "megatron's linear biases cover every linear layer")
         return Family("qwen3", "Qwen3ForCausalLM")
     return Family("llama", "LlamaForCausalLM")
+
+
+def _qwen2_moe_family(m, pre_softmax: bool) -> Family:
+    """Qwen2-MoE: a sigmoid-gated shared expert beside the routed ones, optional q/k/v-only biases, no QK-norm."""
+    why = "a shared expert or q/k/v-only biases in a MoE model map to Qwen2-MoE"
+    if not m.moe_shared_expert_intermediate_size:
+        _refuse("moe_shared_expert_intermediate_size", f"{why}, which always has a shared expert: set it and "
+                "--moe-shared-expert-gate")
+    if not m.moe_shared_expert_gate:
+        _refuse("moe_shared_expert_gate", f"{why}, which gates the shared expert by a sigmoid; add "
+                "--moe-shared-expert-gate")
+    if m.qk_layernorm:
+        _refuse("qk_layernorm", f"{why}, which has no QK-norm (--no-qk-layernorm)")
+    return Family("qwen2_moe", "Qwen2MoeForCausalLM", norm_topk_prob=not pre_softmax)
 
 
 def _gpt2_family(m) -> Family:
@@ -212,6 +232,14 @@ def hf_config(fam: Family, m, vocab: int, dtype: torch.dtype, special: dict | No
             norm_topk_prob=fam.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
             router_aux_loss_coef=m.moe_aux_loss_coeff, hidden_act="silu", attention_bias=False,
             use_sliding_window=False, **_rope(m.rotary_base), **common,
+        )
+    elif fam.name == "qwen2_moe":
+        cfg = T.Qwen2MoeConfig(
+            intermediate_size=m.ffn_hidden_size, moe_intermediate_size=m.moe_ffn_hidden_size,
+            shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size, num_experts=m.num_experts,
+            num_experts_per_tok=m.moe_router_topk, norm_topk_prob=fam.norm_topk_prob, decoder_sparse_step=1,
+            mlp_only_layers=[], router_aux_loss_coef=m.moe_aux_loss_coeff, hidden_act="silu",
+            qkv_bias=m.add_qkv_bias, use_sliding_window=False, **_rope(m.rotary_base), **common,
         )
     elif fam.name == "mixtral":
         cfg = T.MixtralConfig(
@@ -288,7 +316,9 @@ def megatron_to_hf(fam: Family, m, sd: dict) -> dict:
                 continue
             for name, part in zip("qkv", split_qkv(qkv, heads, groups, d)):
                 out[t + f"self_attn.{name}_proj.{kind}"] = _own(part)
-            out[t + f"self_attn.o_proj.{kind}"] = _scaled(sd[s + f"self_attention.linear_proj.{kind}"], out_scale)
+            proj = sd.get(s + f"self_attention.linear_proj.{kind}")  # no bias with --add-qkv-bias alone
+            if proj is not None:
+                out[t + f"self_attn.o_proj.{kind}"] = _scaled(proj, out_scale)
         if m.qk_layernorm:
             out[t + "self_attn.q_norm.weight"] = norm(sd[s + "self_attention.q_layernorm.weight"])
             out[t + "self_attn.k_norm.weight"] = norm(sd[s + "self_attention.k_layernorm.weight"])
@@ -317,8 +347,14 @@ def megatron_to_hf(fam: Family, m, sd: dict) -> dict:
 def _moe_to_hf(fam: Family, m, sd: dict, s: str, t: str, out: dict, out_scale: float) -> None:
     # Per-expert keys (the format of the published Qwen3-MoE / Mixtral checkpoints); transformers 5
     # fuses them into its 3-D expert tensors on load.
-    qwen = fam.name == "qwen3_moe"
+    qwen = fam.name in ("qwen3_moe", "qwen2_moe")
     block = t + ("mlp." if qwen else "block_sparse_moe.")
+    if fam.name == "qwen2_moe":  # the shared expert and its sigmoid gate
+        gate, up = torch.chunk(sd[s + "mlp.shared_experts.linear_fc1.weight"], 2, dim=0)
+        out[block + "shared_expert.gate_proj.weight"], out[block + "shared_expert.up_proj.weight"] = _own(gate), _own(up)
+        out[block + "shared_expert.down_proj.weight"] = _scaled(sd[s + "mlp.shared_experts.linear_fc2.weight"],
+                                                                out_scale)
+        out[block + "shared_expert_gate.weight"] = _own(sd[s + "mlp.shared_experts.gate_weight"])
     out[block + "gate.weight"] = _own(sd[s + "mlp.router.weight"])
     names = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")
     for e in range(m.num_experts):

@@ -92,6 +92,10 @@ class MDConfig:
                              "at 1e-5), offset (1 + rho), exp.", ["softplus", "direct", "offset", "exp"])
     md_preserve_init: bool = opt(
         False, "MD: keep the initial weights: hidden matrices are not projected; their norms go into the gains.")
+    md_loaded_weights: str = opt(
+        "keep", "MD: weights loaded without optimizer state (--pretrained-checkpoint, --no-load-optim, an imported "
+        "model): keep them exactly, their norms in the gains wherever the gains can hold them (keep), or project "
+        "them onto their spheres with gains 1 (project).", ["keep", "project"])
     md_tangent_grad: bool = opt(
         False, "MD: drop the direction gradient's radial component before the base update (the authors' --hs-p).")
     md_normalize_update: bool = opt(

@@ -24,6 +24,7 @@ from megatron_md.mcore.md_optimizer import (
     md_param_overrides,
     ns_settings,
     refuse_packed_experts,
+    relative_change,
 )
 from megatron_md.optim.manifold_muon import ManifoldHyperParams, init_state
 from megatron_md.optim.policy import (
@@ -112,16 +113,21 @@ class MegatronManifoldMuon(MegatronMD):
         return [g for g in self.param_groups if not _is_manifold_group(g)]
 
     @torch.no_grad()
-    def reset_from_weights(self) -> None:
-        super().reset_from_weights()
+    def reset_from_weights(self, recover: bool | None = None) -> dict[str, float]:
+        """The MD groups as MuonMD's; the manifold groups' matrices are projected onto their manifolds (they
+        have no gains to hold what the projection removes): the change is measured, as ``manifold``."""
+        moved = super().reset_from_weights(recover)
         for group in self.param_groups:
             if _is_manifold_group(group):
                 hp = ManifoldHyperParams.from_group(group)
                 for p in group["params"]:
                     r = self.reducer_for(p)
+                    before = p.detach().clone()
                     project_sharded_(p, hp, r.group, r.dim)
+                    moved["manifold"] = max(moved.get("manifold", 0.0), relative_change(before, p))
                     self.state[p].clear()
                     self._init_mm_state(p, hp)
+        return moved
 
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
         if not _is_manifold_group(group):

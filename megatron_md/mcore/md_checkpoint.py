@@ -161,14 +161,37 @@ def load_md_state(optimizer, loaded: dict) -> int:
     return restored
 
 
-def reset_md_from_weights(optimizer) -> None:
-    """After loading bare weights: gains back to 1, directions = the weights projected on the sphere.
-
-    Used by ``--pretrained-checkpoint`` and ``--no-load-optim``, where no MD state comes along.
-    """
-    for _, inner in md_wrappers(optimizer):
-        inner.reset_from_weights()
+def reset_md_from_weights(optimizer, recover: bool | None = None) -> str | None:
+    """After loading bare weights (``--pretrained-checkpoint``, ``--no-load-optim``: no MD state comes along):
+    fresh MD state from them. ``recover`` (default: each optimizer's ``--md-loaded-weights``): the gains take the loaded norms wherever they can hold them, so the
+    loaded function is kept; the rest is projected. Returns a line for the log saying, per group role, the
+    largest relative change of a matrix over all ranks (None without MD)."""
+    moved: dict[str, float] = {}
+    wrappers = md_wrappers(optimizer)
+    for _, inner in wrappers:
+        for role, change in inner.reset_from_weights(recover).items():
+            moved[role] = max(moved.get(role, 0.0), change)
     sync_model_params(optimizer)
+    if not wrappers:
+        return None
+    roles = sorted(moved)
+    if torch.distributed.is_initialized():  # every rank holds the same role names (the same model)
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, moved)
+        roles = sorted({r for d in every for r in d})
+        moved = {r: max(d.get(r, 0.0) for d in every) for r in roles}
+    kept = [r for r in roles if moved[r] == 0.0]
+    changed = [f"{r} {moved[r]:.3g}" for r in roles if moved[r] > 0.0]
+    return ("loaded weights: " + (f"kept exactly, norms in the gains ({', '.join(kept)})" if kept else "")
+            + ("; " if kept and changed else "")
+            + (f"projected, largest relative change |W - P(W)|/|W|: {', '.join(changed)}" if changed else "")
+            + (f" (gains keep a group's norms: {', '.join(_KEEP[r] for r in roles if moved[r] > 0.0 and r in _KEEP)})"
+               if any(moved[r] > 0.0 and r in _KEEP for r in roles) else ""))
+
+
+# The flag that gives a group gains able to hold its loaded norms (the manifold groups have none to give).
+_KEEP = {"embedding": "--md-embedding-gains row", "output": "--md-output-gains row", "hidden": "--md-gains rowcol",
+         "router": "--md-gains rowcol"}
 
 
 def sync_model_params(optimizer) -> None:

@@ -15,6 +15,7 @@ distributed optimizers. Routing (docs/optimizers.md §1.8):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -124,6 +125,7 @@ class MegatronMD(MDOptimizer):
         adam.set_compile(config.md.md_compile)
         self.ortho_engine = OrthogonalizationEngine(per_matrix=config.md.md_ns_per_matrix)
         self.timers = config.timers  # megatron-core's Timers of the run (mcore/timing.py), or None
+        self.keep_loaded = config.md.md_loaded_weights == "keep"
         self.ortho_engine.timed = lambda name: timed(self.timers, name)
         self.per_matrix = config.md.md_per_matrix_step
         self._kernels: dict[tuple, object] = {}
@@ -177,13 +179,35 @@ class MegatronMD(MDOptimizer):
                 self._init_param(p, hp, project=False)
 
     @torch.no_grad()
-    def reset_from_weights(self) -> None:
-        """Fresh state for weights loaded without it: gains 1, directions projected on their spheres."""
+    def reset_from_weights(self, recover: bool | None = None) -> dict[str, float]:
+        """Fresh state for weights loaded without it (a pretrained or imported checkpoint, --no-load-optim).
+
+        ``recover`` (default ``--md-loaded-weights keep``): the loaded weights stay the model's; their norms go into the gains (``preserve_init``'s
+        rule), so the first step starts from the loaded function exactly. Groups whose gains cannot hold the
+        norms (no gains, low-rank gains, the orthogonal sphere kind, per-head column spheres) and every group
+        without ``recover`` are projected on their spheres with the gains at 1. Returns, per group role,
+        the largest relative change ``|W - Π(W)| / |W|`` of a matrix on this rank (0 where recovered).
+        """
+        moved: dict[str, float] = {}
+        recover = self.keep_loaded if recover is None else recover
         for group in self.md_groups():
             hp = MDHyperParams.from_group(group)
+            keep = recover and _can_recover(hp)
+            if keep:
+                hp = dataclasses.replace(hp, preserve_init=True)
             for p in group["params"]:
+                before = None if keep else p.detach().clone()
                 self.state[p].clear()
-                self._init_param(p, hp, project=True)
+                try:
+                    self._init_param(p, hp, project=True)
+                except ValueError:  # a fused QKV whose per-block column norms one gain cannot hold
+                    self.state[p].clear()
+                    before = p.detach().clone()
+                    self._init_param(p, dataclasses.replace(hp, preserve_init=False), project=True)
+                role = str(group.get("md_role", "matrices"))
+                change = 0.0 if before is None else relative_change(before, p)
+                moved[role] = max(moved.get(role, 0.0), change)
+        return moved
 
     def phase(self, name: str):
         return timed(self.timers, name)
@@ -328,3 +352,18 @@ def _is_hidden_matrix(p: torch.Tensor) -> bool:
 def _is_out_proj(p: torch.Tensor) -> bool:
     key = getattr(p, "md_key", None) or ""
     return key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight")
+
+
+def _can_recover(hp: MDHyperParams) -> bool:
+    """Whether the group's gains can hold a loaded matrix's norms (``preserve_init``'s conditions)."""
+    if hp.gains in ("none", "lowrank") or hp.sphere_kind == "orthogonal":
+        return False
+    mode = hp.sphere_mode
+    return hp.gains in {"flat": ("rowcol", "row", "col", "flat"), "row": ("rowcol", "row"),
+                        "col": ("rowcol", "col")}.get(mode, ("rowcol",))
+
+
+def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:
+    """``|after - before| / |before|`` (Frobenius, this rank's shard)."""
+    den = before.float().norm()
+    return float((after.float() - before.float()).norm() / den) if den > 0 else 0.0

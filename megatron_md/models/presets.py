@@ -180,7 +180,8 @@ def count_parameters(cfg) -> ParamCounts:
     h = cfg.hidden_size
     heads, groups, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     bias = 0 if cfg.disable_bias_linear else 1
-    attn = h * d * (heads + 2 * groups) + bias * d * (heads + 2 * groups)
+    qkv_bias = 1 if bias or getattr(cfg, "add_qkv_bias", False) else 0
+    attn = h * d * (heads + 2 * groups) + qkv_bias * d * (heads + 2 * groups)
     attn += heads * d * h + bias * h
     norm_w = 1 if cfg.normalization == "RMSNorm" else 2  # LayerNorm has a bias
     norms = 2 * norm_w * h  # input + pre-MLP norm
@@ -202,6 +203,7 @@ def count_parameters(cfg) -> ParamCounts:
         router = cfg.num_experts * h
         shared = getattr(cfg, "moe_shared_expert_intermediate_size", None)
         shared_params = mlp_params(shared) if shared else 0  # every token goes through the shared expert
+        shared_params += h if shared and getattr(cfg, "moe_shared_expert_gate", False) else 0  # its sigmoid gate
         mlp_total += moe_layers * (cfg.num_experts * expert + router + shared_params)
         mlp_active += moe_layers * (cfg.moe_router_topk * expert + router + shared_params)
     embedding = cfg.vocab_size * h

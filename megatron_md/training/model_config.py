@@ -42,6 +42,8 @@ class ModelConfig:
     swiglu: bool = opt(False, "SwiGLU MLP (gated SiLU); without it a GeLU MLP.")
     untie_embeddings_and_output_weights: bool = opt(False, "Separate input embedding and LM head.")
     disable_bias_linear: bool = opt(False, "No biases in linear layers.")
+    add_qkv_bias: bool = opt(
+        False, "Biases on the query, key and value projections even with --disable-bias-linear (Qwen2's attention).")
     qk_layernorm: bool = opt(False, "Normalise queries and keys per head (QK-norm).")
     init_method_std: float = opt(0.02, "Std of the normal weight init.", valid=">0")
     attention_dropout: float = opt(0.1, "Attention dropout.", valid="[0,1)")
@@ -75,6 +77,9 @@ class ModelConfig:
         False, "With a capacity factor, pad every expert's input to its capacity (fixed shapes).")
     moe_shared_expert_intermediate_size: Optional[int] = opt(
         None, "Width of the shared expert every token goes through beside the routed ones (unset: none).", valid=">=1")
+    moe_shared_expert_gate: bool = opt(
+        False, "Scale the shared expert's output by a learned per-token sigmoid gate (Qwen2-MoE); needs "
+        "--moe-shared-expert-intermediate-size.")
     moe_router_dtype: Optional[str] = opt(
         None, "Precision of the router's scores and of the weighted sum of the experts' outputs (unset: the "
         "model's; fp32 is the usual choice with many experts).", ["fp32", "fp64"])

@@ -191,6 +191,8 @@ class Trainer:
             self.state.nan_total = extra.get("nan_total", 0)
             self.logger_lines += self.hooks.load_state_dict(extra.get("auto_policy"), self.optimizer)
             self._loaded_from = common["path"]
+            if note := common.get("weights_note"):  # --no-load-optim
+                self.logger_lines.append(note)
             return True
         if c.pretrained_checkpoint and (found := megatron_lm.find(c.pretrained_checkpoint)):
             common = megatron_lm.load(
@@ -203,6 +205,8 @@ class Trainer:
                 verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load,
             )
             self._loaded_from = common["path"] + " (weights only)"
+        if c.pretrained_checkpoint and (note := common.get("weights_note")):
+            self.logger_lines.append(note)  # what the MD / manifold state kept or moved of the loaded weights
         return False
 
     def _announce(self) -> None:
@@ -315,8 +319,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        if self.valid_ds is None or len(self.valid_ds) == 0:
-            return None
+        if self.valid_ds is None or len(self.valid_ds) == 0 or self.cfg.training.eval_iters == 0:
+            return None  # --eval-iters 0 means no evaluation, as in Megatron-LM (0 batches gave NaN)
         self.housekeeping.around_evaluation()
         try:
             with self.params_synced():

@@ -274,6 +274,8 @@ def performance_errors(cfg: RunConfig, world_size: int) -> list[str]:
         need(not m.moe_pad_expert_input_to_capacity or m.moe_expert_capacity_factor is not None,
              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         shared = m.moe_shared_expert_intermediate_size
+        need(shared is not None or not m.moe_shared_expert_gate,
+             "--moe-shared-expert-gate gates the shared expert: it needs --moe-shared-expert-intermediate-size")
         need(shared is None or (shared > 0 and shared % p.tensor_model_parallel_size == 0),
              f"--moe-shared-expert-intermediate-size {shared} must be > 0 and divisible by TP "
              f"{p.tensor_model_parallel_size}")
@@ -316,6 +318,7 @@ def backend_errors(cfg: RunConfig) -> list[str]:
 
 # MoE options that mean nothing in a dense model, with their defaults
 MOE_ONLY = {"moe_z_loss_coeff": None, "moe_expert_capacity_factor": None, "moe_shared_expert_intermediate_size": None,
+            "moe_shared_expert_gate": False,
             "moe_router_dtype": None, "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
             "moe_permute_fusion": False}
 

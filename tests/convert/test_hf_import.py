@@ -6,6 +6,7 @@ bit for bit; the families megatron-core's layers cannot reproduce are refused wi
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ def _tiny_hf(name: str, out, **extra):
                  head_dim=16, max_position_embeddings=64, num_experts_per_tok=2, tie_word_embeddings=False)
     if name == "qwen3_moe":
         cfg = T.Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=48, num_experts=4, **shape, **extra)
+    elif name == "qwen2_moe":
+        cfg = T.Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                               num_experts=4, **shape, **extra)
     else:
         cfg = T.MixtralConfig(intermediate_size=48, num_local_experts=4, rope_theta=1e6, **shape, **extra)
     torch.manual_seed(0)
@@ -39,7 +43,7 @@ def _tiny_hf(name: str, out, **extra):
 
 
 CASES = {"qwen3_moe": {"norm_topk_prob": True}, "qwen3_moe+pre_softmax": {"norm_topk_prob": False},
-         "mixtral": {}}
+         "qwen2_moe": {}, "mixtral": {}}
 
 
 @pytest.mark.multirank
@@ -85,14 +89,15 @@ def test_moe_families_that_do_not_map_are_refused_with_the_reason():
                 num_experts_per_tok=2)
     for hc, match in [
         (dict(model_type="olmoe", num_experts=4), "normalises q and k over the whole projection"),
-        (dict(model_type="qwen2_moe", num_experts=4), "sigmoid-gated shared expert"),
+        (dict(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=0),
+         "shared expert always exists"),
         (dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=48, decoder_sparse_step=2),
          "dense layers among the MoE ones"),
         (dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=48, mlp_only_layers=[0]),
          "dense layers among the MoE ones"),
         (dict(model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1), "router_jitter_noise"),
         (dict(model_type="mixtral", num_local_experts=4, sliding_window=32), "sliding_window"),
-        (dict(model_type="gpt_oss", num_local_experts=4), "import supports qwen3, llama, qwen3_moe, mixtral"),
+        (dict(model_type="gpt_oss", num_local_experts=4), "import supports qwen3, llama, qwen3_moe, qwen2_moe, mixtral"),
     ]:
         with pytest.raises(ConversionError, match=match):
             model_overrides_from_hf(dict(base, **hc))
@@ -100,3 +105,49 @@ def test_moe_families_that_do_not_map_are_refused_with_the_reason():
                                      norm_topk_prob=True, router_aux_loss_coef=0.001))
     assert (m["num_experts"], m["moe_ffn_hidden_size"], m["moe_router_topk"], m["moe_router_pre_softmax"],
             m["qk_layernorm"], m["moe_aux_loss_coeff"]) == (4, 48, 2, False, True, 0.001)
+
+
+# ----------------------------------------------------------------------------- continue training an imported model
+
+def _lm_losses(run_dir) -> list[float]:
+    from mdtest import train_records
+
+    return [r["lm_loss"] for r in train_records(run_dir)]
+
+
+@pytest.mark.multirank
+def test_imported_moe_continues_with_muon_md_from_its_exact_function_and_resumes_bit_identically(tmp_path):
+    """A Qwen3-MoE import trained on with MuonMD (EP2 x DP2 over 2 ranks, distributed optimizer, bf16): the gains
+    take the loaded norms, so step 0's loss is the imported model's (Adam's step 0 on the same batch, which leaves
+    the weights alone), once the embedding has gains (MuonMD's default has none: the log names the flag); 2 straight steps == 1 step + save + resume + 1 step. Manifold Muon projects the loaded
+    matrices onto their manifolds: its step-0 loss differs and the log says by how much the weights moved."""
+    from mdtest import QUIET
+
+    _tiny_hf("qwen3_moe", tmp_path / "src", norm_topk_prob=True)
+    ck = tmp_path / "ck"
+    run_cli(["convert", "import", "--hf", str(tmp_path / "src"), "--output", str(ck)])
+    base = ["train", "--config", str(ck / "iter_0000000" / "run_config.yaml"), "--mock-data", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1", "--eval-iters", "0",
+            "--nproc-per-node", "2", "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16",
+            "--lr", "1e-2", *QUIET]
+    start = ["--pretrained-checkpoint", str(ck)]
+
+    def train(name, *extra):
+        return run_cli([*base, *extra, "--run-dir", str(tmp_path / name)]).stdout
+
+    train("adam", *start, "--optimizer", "adam", "--train-iters", "1")
+    start += ["--md-embedding-gains", "row"]  # MuonMD's default embedding has no gains to hold its row norms
+    out = train("straight", *start, "--optimizer", "muon_md", "--train-iters", "2")
+    assert "loaded weights: kept exactly" in out and "projected" not in out, out[-3000:]
+    resumed = tmp_path / "resumed"
+    train("first", *start, "--optimizer", "muon_md", "--train-iters", "2", "--exit-interval", "1",
+          "--save", str(resumed))
+    train("second", "--optimizer", "muon_md", "--md-embedding-gains", "row", "--train-iters", "2", "--load",
+          str(resumed))
+    imported, straight = _lm_losses(tmp_path / "adam"), _lm_losses(tmp_path / "straight")
+    assert straight[0] == imported[0]  # step 0 runs the imported function, bit for bit
+    assert _lm_losses(tmp_path / "first") + _lm_losses(tmp_path / "second") == straight
+    out = train("manifold", *start, "--optimizer", "manifold_muon", "--train-iters", "1")
+    moved = re.search(r"manifold (\S+)", out.split("loaded weights:", 1)[1].splitlines()[0])
+    assert moved and float(moved.group(1)) > 0, out[-3000:]
+    assert _lm_losses(tmp_path / "manifold")[0] != imported[0]

@@ -349,11 +349,12 @@ def load_checkpoint(
 
             load_md_state(optimizer, loaded["md"])
     elif optimizer is not None:
-        # New weights in the model: refresh fp32 master copies (and re-split MD directions).
+        # New weights in the model: refresh fp32 master copies, and fresh MD state from them (the gains take
+        # the loaded norms where they can, so the loaded function is kept; the note says what moved).
         optimizer.reload_model_params()
         from megatron_md.mcore.md_checkpoint import reset_md_from_weights
 
-        reset_md_from_weights(optimizer)
+        common["weights_note"] = reset_md_from_weights(optimizer)
     if scheduler is not None and load_optim:
         scheduler.load_state_dict(common["scheduler"])
     if "rng_state" in loaded:

@@ -3,9 +3,8 @@
 Run by test_megatron_lm.py (``python _megatron_lm_writer.py JSON``; one rank) with ``{"src": our checkpoint root,
 "iteration": N, "out": Megatron-LM root}``. It builds the run's model, optimizer and scheduler with megatron_md's
 own builders from the ``run_config.yaml`` saved there, loads iteration N into them, and saves what Megatron-LM's
-``generate_state_dict`` + ``save_checkpoint`` save (https://github.com/NVIDIA/Megatron-LM/blob/
-d98e8a64ddf34856e74b24714e3bedb2f5a39553/megatron/training/checkpointing.py), through the same megatron-core
-``dist_checkpointing.save``:
+``generate_state_dict`` + ``save_checkpoint`` save, through the same megatron-core ``dist_checkpointing.save``
+(https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/megatron/training/checkpointing.py):
 
 - reproduced: ``args`` (an argparse Namespace under Megatron-LM's arg names, with the values its validate_args
   fills in), ``checkpoint_version`` 3.0, ``iteration``, ``model`` (GPTModel.sharded_state_dict), ``optimizer``

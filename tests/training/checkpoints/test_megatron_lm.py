@@ -2,8 +2,9 @@
 
 The checkpoint is written by the test: a 4-step run of ours (tiny-dense, distributed Adam, fp32) saves at step 2,
 and ``_megatron_lm_writer.py`` re-saves that state in the layout of Megatron-LM's ``generate_state_dict`` and
-``save_checkpoint`` (https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/megatron/
-training/checkpointing.py): its ``args`` Namespace, ``checkpoint_version`` 3.0, ``iteration``,
+``save_checkpoint``
+(https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/megatron/training/checkpointing.py):
+its ``args`` Namespace, ``checkpoint_version`` 3.0, ``iteration``,
 ``num_floating_point_operations_so_far``, ``opt_param_scheduler``, ``model.*``, ``optimizer.*`` and its
 ``rng_state`` object, the content metadata and ``latest_checkpointed_iteration.txt`` (the writer's docstring lists
 what it leaves out). Then:
