@@ -1,4 +1,5 @@
-"""``megatron-md`` command line: train, params, plan, score, generate, lr-sweep, demo, recipes.
+"""``megatron-md`` command line: train, params, plan, score, generate, eval, convert, lr-sweep, demo,
+recipes.
 
 Importing this module imports no torch: checkpoint saving starts a spawn-mode helper process that imports the
 launching script's module again (this one, under ``python -m megatron_md.cli``), and a light import keeps that, and

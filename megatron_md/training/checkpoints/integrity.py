@@ -166,7 +166,7 @@ def _fallback(directory: Path) -> str:
             what = "its file sizes match its manifest" if status == "ok" else "it has no manifest"
             return (f"The previous checkpoint is {p} (iteration {i}; {what}): to resume or load from it, "
                     f"write {i} into {root / LATEST} (e.g. `echo {i} > {root / LATEST}`) and pass --load "
-                    f"{root} again (tools/convert_checkpoint.py export takes --iteration {i}). ")
+                    f"{root} again (megatron-md convert export takes --iteration {i}). ")
     return f"There is no older intact checkpoint in {root} to fall back to. "
 
 

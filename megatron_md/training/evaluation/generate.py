@@ -2,7 +2,7 @@
 
 One process, any saved layout (``torch_dist`` reshards onto TP=PP=EP=1, as ``score``). No KV cache: every
 new token re-runs the window (the last ``seq_length`` tokens), which is what a quick look at a small
-model needs; serve big ones through the Hugging Face export (``tools/convert_checkpoint.py``).
+model needs; serve big ones through the Hugging Face export (``megatron-md convert export``).
 """
 
 from __future__ import annotations
