@@ -1,8 +1,8 @@
 """``megatron-md eval``: EleutherAI's lm-evaluation-harness (``lm-eval``, the ``eval`` extra) on a checkpoint.
 
-The model runs in this process through :class:`MegatronLM`, an ``lm_eval.api.model.LM`` over the checkpoint's
-model and tokenizer (loaded as ``score`` loads them: any saved layout onto one process, imported checkpoints
-included), so no Hugging Face export is needed. It mirrors lm-eval's own ``HFLM``: the context's trailing
+The model runs in this process through :class:`MegatronScorer` mixed into an ``lm_eval.api.model.LM``, over
+the checkpoint's model and tokenizer (loaded as ``score`` loads them: any saved layout onto one process,
+imported checkpoints included), so no Hugging Face export is needed. It mirrors lm-eval's own ``HFLM``: the context's trailing
 spaces move into the continuation, the continuation's tokens are the tail of the whole text's, an input longer
 than the model's window loses tokens on the left, and rolling log-likelihoods use lm-eval's disjoint windows.
 """
@@ -41,133 +41,136 @@ def _stop_index(text: str, until: list[str]) -> int | None:
     return min(hits) if hits else None
 
 
+class MegatronScorer:
+    """The LM interface over a megatron model (called as ``model(tokens, position_ids, None)`` -> logits) and a
+    megatron tokenizer (``tokenize``, ``detokenize``, ``vocab_size``, ``eod``); ``make_lm`` mixes it into
+    lm-eval's ``LM``, so lm-eval is imported only when an evaluation runs."""
+
+    def __init__(self, model, tokenizer, *, max_length: int, device, batch_size: int = 8, info: dict | None = None):
+        super().__init__()  # lm-eval's LM, when make_lm mixes it in
+        self.model, self.tok, self.max_length, self._device = model, tokenizer, max_length, device
+        self.batch_size, self.info = batch_size, dict(info or {})
+        self.vocab = tokenizer.vocab_size  # rows past it are megatron's vocabulary padding: never predicted
+
+    # -- what lm-eval's TemplateLM does for HFLM, written out: our tokenizer is not a Hugging Face one
+    @property
+    def prefix_token_id(self) -> int:
+        # Our documents end with the end-of-document token and training never sees BOS: EOD is what
+        # precedes a document, so it stands in for an empty context (HFLM takes BOS, else EOS).
+        return self.tok.eod
+
+    def tok_encode(self, text: str) -> list[int]:
+        return list(self.tok.tokenize(text)) if text else []
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        if context == "":
+            cont = self.tok_encode(continuation)
+            if cont and cont[0] == self.prefix_token_id:
+                return cont[:1], cont[1:]
+            return [self.prefix_token_id], cont
+        n = len(context) - len(context.rstrip())
+        if n:  # "Q: ... A: " + "yes": the space belongs with the word it precedes
+            context, continuation = context[:-n], context[-n:] + continuation
+        ctx = self.tok_encode(context)
+        return ctx, self.tok_encode(context + continuation)[len(ctx):]
+
+    @torch.no_grad()
+    def logprobs(self, batch: list[list[int]]) -> list[torch.Tensor]:
+        """Per-position log-softmax over the tokenizer's vocabulary, for right-padded rows (causal
+        attention: padding after a row's end changes none of its positions)."""
+        width = max(map(len, batch))
+        toks = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, row in enumerate(batch):
+            toks[i, : len(row)] = torch.tensor(row)
+        toks = toks.to(self._device)
+        pos = torch.arange(width, device=self._device).unsqueeze(0).expand_as(toks)
+        logits = self.model(toks, pos, None).float()[..., : self.vocab]
+        out = torch.log_softmax(logits, dim=-1).cpu()
+        return [out[i, : len(row)] for i, row in enumerate(batch)]
+
+    def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(sum of the continuation's log-probs, whether greedy decoding yields it), longest inputs first
+        in batches of ``batch_size``, as HFLM._loglikelihood_tokens."""
+        res: list[tuple[float, bool] | None] = [None] * len(pairs)
+        order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
+        todo = []
+        for i in order:
+            ctx, cont = pairs[i]
+            if not cont:  # nothing to score (lm-eval never asks; an empty choice would)
+                res[i] = (0.0, True)
+                continue
+            if len(cont) > self.max_length:
+                raise ValueError(f"a continuation of {len(cont)} tokens exceeds the model's window of "
+                                 f"{self.max_length}")
+            todo.append(i)
+        for b in range(0, len(todo), self.batch_size):
+            idx = todo[b : b + self.batch_size]
+            # left-truncate to the window; the last token is only ever a target
+            inps = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :][:-1] for i in idx]
+            for i, inp, lp in zip(idx, inps, self.logprobs(inps)):
+                cont = torch.tensor(pairs[i][1])
+                lp = lp[len(inp) - len(cont) :]
+                res[i] = (float(lp.gather(1, cont[:, None]).sum()), bool((lp.argmax(-1) == cont).all()))
+        return res
+
+    # -- the LM interface
+    def loglikelihood(self, requests, disable_tqdm: bool = False, **_) -> list[tuple[float, bool]]:
+        return self.score_tokens([self.encode_pair(*r.args[:2]) for r in requests])
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False, **_) -> list[float]:
+        utils = import_lm_eval()[3]
+        windows, owner = [], []
+        for n, r in enumerate(requests):
+            for w in utils.get_rolling_token_windows(token_list=self.tok_encode(r.args[0]),
+                                                     prefix_token=self.prefix_token_id,
+                                                     max_seq_len=self.max_length, context_len=1):
+                windows.append(utils.make_disjoint_window(w))
+                owner.append(n)
+        totals = [0.0] * len(requests)
+        for n, (ll, _) in zip(owner, self.score_tokens(windows)):
+            totals[n] += ll
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False, **_) -> list[str]:
+        from megatron_md.training.evaluation.generate import next_token_logits
+
+        out = []
+        for r in requests:
+            context, kw = r.args[0], dict(r.args[1] or {})
+            if kw.get("do_sample") and kw.get("temperature", 1.0) != 0:
+                raise ValueError("megatron-md eval decodes greedily; this task asks for sampling "
+                                 f"(generation_kwargs {kw})")
+            until = kw.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.get("max_gen_toks", 256))  # HFLM's default
+            prompt = self.tok_encode(context) or [self.prefix_token_id]
+            head = self.tok.detokenize(prompt)
+            ids, text = list(prompt), ""
+            for _ in range(max_new):
+                # the last max_length tokens: a context longer than the window loses its left end
+                t = int(torch.argmax(next_token_logits(self.model, ids, self.max_length, self.vocab,
+                                                      self._device)))
+                if t == self.tok.eod:
+                    break
+                ids.append(t)
+                # decode with the prompt: SentencePiece drops the space before a leading piece
+                whole = self.tok.detokenize(ids)
+                text = whole[len(head):] if whole.startswith(head) else self.tok.detokenize(ids[len(prompt):])
+                if _stop_index(text, until) is not None:
+                    break
+            stop = _stop_index(text, until)
+            out.append(text if stop is None else text[:stop])
+        return out
+
+    def get_model_info(self) -> dict:
+        return dict(self.info, max_length=self.max_length, prefix_token_id=self.prefix_token_id)
+
+
 def make_lm(model, tokenizer, *, max_length: int, device, batch_size: int = 8, info: dict | None = None):
-    """An lm-eval LM over ``model`` (called as ``model(tokens, position_ids, None)`` -> logits) and a megatron
-    tokenizer (``tokenize``, ``detokenize``, ``vocab_size``, ``eod``). Built here so lm-eval is imported only
-    when an evaluation runs."""
-    utils = import_lm_eval()[3]
-
-    class MegatronLM(_base_lm()):
-        def __init__(self):
-            super().__init__()
-            self.model, self.tok, self.max_length, self._device = model, tokenizer, max_length, device
-            self.batch_size, self.info = batch_size, dict(info or {})
-            self.vocab = tokenizer.vocab_size  # rows past it are megatron's vocabulary padding: never predicted
-
-        # -- what lm-eval's TemplateLM does for HFLM, written out: our tokenizer is not a Hugging Face one
-        @property
-        def prefix_token_id(self) -> int:
-            # Our documents end with the end-of-document token and training never sees BOS: EOD is what
-            # precedes a document, so it stands in for an empty context (HFLM takes BOS, else EOS).
-            return self.tok.eod
-
-        def tok_encode(self, text: str) -> list[int]:
-            return list(self.tok.tokenize(text)) if text else []
-
-        def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-            if context == "":
-                cont = self.tok_encode(continuation)
-                if cont and cont[0] == self.prefix_token_id:
-                    return cont[:1], cont[1:]
-                return [self.prefix_token_id], cont
-            n = len(context) - len(context.rstrip())
-            if n:  # "Q: ... A: " + "yes": the space belongs with the word it precedes
-                context, continuation = context[:-n], context[-n:] + continuation
-            ctx = self.tok_encode(context)
-            return ctx, self.tok_encode(context + continuation)[len(ctx):]
-
-        @torch.no_grad()
-        def logprobs(self, batch: list[list[int]]) -> list[torch.Tensor]:
-            """Per-position log-softmax over the tokenizer's vocabulary, for right-padded rows (causal
-            attention: padding after a row's end changes none of its positions)."""
-            width = max(map(len, batch))
-            toks = torch.zeros(len(batch), width, dtype=torch.long)
-            for i, row in enumerate(batch):
-                toks[i, : len(row)] = torch.tensor(row)
-            toks = toks.to(self._device)
-            pos = torch.arange(width, device=self._device).unsqueeze(0).expand_as(toks)
-            logits = self.model(toks, pos, None).float()[..., : self.vocab]
-            out = torch.log_softmax(logits, dim=-1).cpu()
-            return [out[i, : len(row)] for i, row in enumerate(batch)]
-
-        def score_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-            """(sum of the continuation's log-probs, whether greedy decoding yields it), longest inputs first
-            in batches of ``batch_size``, as HFLM._loglikelihood_tokens."""
-            res: list[tuple[float, bool] | None] = [None] * len(pairs)
-            order = sorted(range(len(pairs)), key=lambda i: -(len(pairs[i][0]) + len(pairs[i][1])))
-            todo = []
-            for i in order:
-                ctx, cont = pairs[i]
-                if not cont:  # nothing to score (lm-eval never asks; an empty choice would)
-                    res[i] = (0.0, True)
-                    continue
-                if len(cont) > self.max_length:
-                    raise ValueError(f"a continuation of {len(cont)} tokens exceeds the model's window of "
-                                     f"{self.max_length}")
-                todo.append(i)
-            for b in range(0, len(todo), self.batch_size):
-                idx = todo[b : b + self.batch_size]
-                # left-truncate to the window; the last token is only ever a target
-                inps = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :][:-1] for i in idx]
-                for i, inp, lp in zip(idx, inps, self.logprobs(inps)):
-                    cont = torch.tensor(pairs[i][1])
-                    lp = lp[len(inp) - len(cont) :]
-                    res[i] = (float(lp.gather(1, cont[:, None]).sum()), bool((lp.argmax(-1) == cont).all()))
-            return res
-
-        # -- the LM interface
-        def loglikelihood(self, requests, disable_tqdm: bool = False, **_) -> list[tuple[float, bool]]:
-            return self.score_tokens([self.encode_pair(*r.args[:2]) for r in requests])
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False, **_) -> list[float]:
-            windows, owner = [], []
-            for n, r in enumerate(requests):
-                for w in utils.get_rolling_token_windows(token_list=self.tok_encode(r.args[0]),
-                                                         prefix_token=self.prefix_token_id,
-                                                         max_seq_len=self.max_length, context_len=1):
-                    windows.append(utils.make_disjoint_window(w))
-                    owner.append(n)
-            totals = [0.0] * len(requests)
-            for n, (ll, _) in zip(owner, self.score_tokens(windows)):
-                totals[n] += ll
-            return totals
-
-        @torch.no_grad()
-        def generate_until(self, requests, disable_tqdm: bool = False, **_) -> list[str]:
-            from megatron_md.training.evaluation.generate import next_token_logits
-
-            out = []
-            for r in requests:
-                context, kw = r.args[0], dict(r.args[1] or {})
-                if kw.get("do_sample") and kw.get("temperature", 1.0) != 0:
-                    raise ValueError("megatron-md eval decodes greedily; this task asks for sampling "
-                                     f"(generation_kwargs {kw})")
-                until = kw.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
-                max_new = int(kw.get("max_gen_toks", 256))  # HFLM's default
-                prompt = self.tok_encode(context) or [self.prefix_token_id]
-                head = self.tok.detokenize(prompt)
-                ids, text = list(prompt), ""
-                for _ in range(max_new):
-                    # the last max_length tokens: a context longer than the window loses its left end
-                    t = int(torch.argmax(next_token_logits(self.model, ids, self.max_length, self.vocab,
-                                                          self._device)))
-                    if t == self.tok.eod:
-                        break
-                    ids.append(t)
-                    # decode with the prompt: SentencePiece drops the space before a leading piece
-                    whole = self.tok.detokenize(ids)
-                    text = whole[len(head):] if whole.startswith(head) else self.tok.detokenize(ids[len(prompt):])
-                    if _stop_index(text, until) is not None:
-                        break
-                stop = _stop_index(text, until)
-                out.append(text if stop is None else text[:stop])
-            return out
-
-        def get_model_info(self) -> dict:
-            return dict(self.info, max_length=self.max_length, prefix_token_id=self.prefix_token_id)
-
-    return MegatronLM()
+    """An lm-eval ``LM``: :class:`MegatronScorer` with lm-eval's base class mixed in."""
+    lm_class = type("MegatronLM", (MegatronScorer, _base_lm()), {})
+    return lm_class(model, tokenizer, max_length=max_length, device=device, batch_size=batch_size, info=info)
 
 
 def parse_limit(text: str | None):
