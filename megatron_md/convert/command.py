@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None, prog: str = "megatron-md convert") -> in
                 dump_logits=args.dump_logits, check_integrity=not args.no_verify_checkpoint,
             )
         elif args.cmd == "megatron-lm":
-            from megatron_md.training.checkpoints.megatron_lm import convert
+            from megatron_md.convert.megatron_lm import convert
 
             report = convert(args.load, args.output, log=lambda line: print(line, file=sys.stderr))
         else:

@@ -162,10 +162,11 @@ def load_md_state(optimizer, loaded: dict) -> int:
 
 
 def reset_md_from_weights(optimizer, recover: bool | None = None) -> str | None:
-    """After loading bare weights (``--pretrained-checkpoint``, ``--no-load-optim``: no MD state comes along):
-    fresh MD state from them. ``recover`` (default: each optimizer's ``--md-loaded-weights``): the gains take the loaded norms wherever they can hold them, so the
-    loaded function is kept; the rest is projected. Returns a line for the log saying, per group role, the
-    largest relative change of a matrix over all ranks (None without MD)."""
+    """After loading bare weights (``--pretrained-checkpoint``, ``--no-load-optim``: no MD state comes along),
+    fresh MD state from them. ``recover`` (default: each optimizer's ``--md-loaded-weights``): the gains take
+    the loaded norms wherever they can hold them, so the loaded function is kept; the rest is projected.
+    Returns a line for the log saying, per group role, the largest relative change of a matrix over all ranks
+    (None without MD)."""
     moved: dict[str, float] = {}
     wrappers = md_wrappers(optimizer)
     for _, inner in wrappers:

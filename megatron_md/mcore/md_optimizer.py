@@ -182,11 +182,12 @@ class MegatronMD(MDOptimizer):
     def reset_from_weights(self, recover: bool | None = None) -> dict[str, float]:
         """Fresh state for weights loaded without it (a pretrained or imported checkpoint, --no-load-optim).
 
-        ``recover`` (default ``--md-loaded-weights keep``): the loaded weights stay the model's; their norms go into the gains (``preserve_init``'s
-        rule), so the first step starts from the loaded function exactly. Groups whose gains cannot hold the
-        norms (no gains, low-rank gains, the orthogonal sphere kind, per-head column spheres) and every group
-        without ``recover`` are projected on their spheres with the gains at 1. Returns, per group role,
-        the largest relative change ``|W - Π(W)| / |W|`` of a matrix on this rank (0 where recovered).
+        ``recover`` (default ``--md-loaded-weights keep``): the loaded weights stay the model's and their norms
+        go into the gains (``preserve_init``'s rule), so the first step starts from the loaded function exactly.
+        Groups whose gains cannot hold the norms (no gains, low-rank gains, the orthogonal sphere kind, per-head
+        column spheres), and every group without ``recover``, are projected on their spheres with gains 1.
+        Returns, per group role, the largest relative change ``|W - P(W)| / |W|`` of a matrix on this rank
+        (0 where kept).
         """
         moved: dict[str, float] = {}
         recover = self.keep_loaded if recover is None else recover

@@ -101,7 +101,8 @@ def find(root: str | Path | None) -> tuple[Path, dict] | None:
 # ----------------------------------------------------------------------------- the architecture
 
 
-def _get(args, name, default=None):
+def saved_arg(args, name, default=None):
+    """``args.name``, or ``default`` where Megatron-LM saved none (or None)."""
     value = getattr(args, name, default)
     return default if value is None else value
 
@@ -117,52 +118,53 @@ def checkpoint_arch(args) -> dict:
     validate_args: ffn_hidden_size and kv_channels filled in; num_query_groups applies only with
     --group-query-attention)."""
     h, heads, layers = args.hidden_size, args.num_attention_heads, args.num_layers
-    swiglu = bool(_get(args, "swiglu", False))
-    pos = _get(args, "position_embedding_type", "learned_absolute")
-    if _get(args, "use_rotary_position_embeddings", False):
+    swiglu = bool(saved_arg(args, "swiglu", False))
+    pos = saved_arg(args, "position_embedding_type", "learned_absolute")
+    if saved_arg(args, "use_rotary_position_embeddings", False):
         pos = "rope"
     arch = {
         "num_layers": layers,
         "hidden_size": h,
         "num_attention_heads": heads,
-        "num_query_groups": args.num_query_groups if _get(args, "group_query_attention", False) else heads,
-        "kv_channels": _get(args, "kv_channels", h // heads),
-        "ffn_hidden_size": _get(args, "ffn_hidden_size", int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h),
-        "normalization": _get(args, "normalization", "LayerNorm"),
-        "norm_epsilon": _get(args, "norm_epsilon", 1e-5),
-        "apply_layernorm_1p": bool(_get(args, "apply_layernorm_1p", False)),
+        "num_query_groups": args.num_query_groups if saved_arg(args, "group_query_attention", False) else heads,
+        "kv_channels": saved_arg(args, "kv_channels", h // heads),
+        "ffn_hidden_size": saved_arg(args, "ffn_hidden_size", int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h),
+        "normalization": saved_arg(args, "normalization", "LayerNorm"),
+        "norm_epsilon": saved_arg(args, "norm_epsilon", 1e-5),
+        "apply_layernorm_1p": bool(saved_arg(args, "apply_layernorm_1p", False)),
         "swiglu": swiglu,
-        "activation": next((a for a in ("squared_relu", "quick_geglu", "openai_gelu") if _get(args, a, False)),
+        "activation": next((a for a in ("squared_relu", "quick_geglu", "openai_gelu") if saved_arg(args, a, False)),
                            "silu" if swiglu else "gelu"),
         "position_embedding_type": pos,
-        "untie_embeddings_and_output_weights": bool(_get(args, "untie_embeddings_and_output_weights", False)),
-        "disable_bias_linear": not _get(args, "add_bias_linear", True),
-        "add_qkv_bias": bool(_get(args, "add_qkv_bias", False)) and not _get(args, "add_bias_linear", True),
-        "qk_layernorm": bool(_get(args, "qk_layernorm", False)),
-        "multi_latent_attention": bool(_get(args, "multi_latent_attention", False)),
-        "mtp_num_layers": _get(args, "mtp_num_layers", 0) or 0,
-        "hybrid_layer_pattern": _get(args, "hybrid_layer_pattern", None) or _get(args, "hybrid_override_pattern", None),
-        "num_experts": _get(args, "num_experts", None),
-        "make_vocab_size_divisible_by": _get(args, "make_vocab_size_divisible_by", 128),
-        "padded_vocab_size": _get(args, "padded_vocab_size", None),
+        "untie_embeddings_and_output_weights": bool(saved_arg(args, "untie_embeddings_and_output_weights", False)),
+        "disable_bias_linear": not saved_arg(args, "add_bias_linear", True),
+        "add_qkv_bias": bool(saved_arg(args, "add_qkv_bias", False)) and not saved_arg(args, "add_bias_linear", True),
+        "qk_layernorm": bool(saved_arg(args, "qk_layernorm", False)),
+        "multi_latent_attention": bool(saved_arg(args, "multi_latent_attention", False)),
+        "mtp_num_layers": saved_arg(args, "mtp_num_layers", 0) or 0,
+        "hybrid_layer_pattern": saved_arg(args, "hybrid_layer_pattern", None) or saved_arg(args, "hybrid_override_pattern", None),
+        "num_experts": saved_arg(args, "num_experts", None),
+        "make_vocab_size_divisible_by": saved_arg(args, "make_vocab_size_divisible_by", 128),
+        "padded_vocab_size": saved_arg(args, "padded_vocab_size", None),
         "sandwich_norm": False, "layer_scale": False, "embedding_scale": False,  # megatron_md's own options
     }
     if pos == "learned_absolute":
-        arch["max_position_embeddings"] = _get(args, "max_position_embeddings", args.seq_length)
+        arch["max_position_embeddings"] = saved_arg(args, "max_position_embeddings", args.seq_length)
     if pos == "rope":
-        arch.update(rotary_base=_get(args, "rotary_base", 10000), rotary_percent=_get(args, "rotary_percent", 1.0),
-                    rotary_interleaved=bool(_get(args, "rotary_interleaved", False)),
-                    use_rope_scaling=bool(_get(args, "use_rope_scaling", False)),
-                    rotary_seq_len_interpolation_factor=_get(args, "rotary_seq_len_interpolation_factor", None))
+        arch.update(rotary_base=saved_arg(args, "rotary_base", 10000), rotary_percent=saved_arg(args, "rotary_percent", 1.0),
+                    rotary_interleaved=bool(saved_arg(args, "rotary_interleaved", False)),
+                    use_rope_scaling=bool(saved_arg(args, "use_rope_scaling", False)),
+                    rotary_seq_len_interpolation_factor=saved_arg(args, "rotary_seq_len_interpolation_factor", None))
     if arch["num_experts"]:
         arch.update(
-            moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size", arch["ffn_hidden_size"]),
-            moe_router_topk=_get(args, "moe_router_topk", 2),
-            moe_layer_freq=_pattern(_get(args, "moe_layer_freq", 1), layers),
-            moe_shared_expert_intermediate_size=_get(args, "moe_shared_expert_intermediate_size", None),
-            moe_router_score_function=_get(args, "moe_router_score_function", "softmax"),
-            moe_router_pre_softmax=bool(_get(args, "moe_router_pre_softmax", False)),
-            moe_router_enable_expert_bias=bool(_get(args, "moe_router_enable_expert_bias", False)))
+            moe_ffn_hidden_size=saved_arg(args, "moe_ffn_hidden_size", arch["ffn_hidden_size"]),
+            moe_router_topk=saved_arg(args, "moe_router_topk", 2),
+            moe_layer_freq=_pattern(saved_arg(args, "moe_layer_freq", 1), layers),
+            moe_shared_expert_intermediate_size=saved_arg(args, "moe_shared_expert_intermediate_size", None),
+            moe_shared_expert_gate=bool(saved_arg(args, "moe_shared_expert_gate", False)),
+            moe_router_score_function=saved_arg(args, "moe_router_score_function", "softmax"),
+            moe_router_pre_softmax=bool(saved_arg(args, "moe_router_pre_softmax", False)),
+            moe_router_enable_expert_bias=bool(saved_arg(args, "moe_router_enable_expert_bias", False)))
     return arch
 
 
@@ -179,7 +181,8 @@ def run_arch(cfg, padded_vocab: int | None = None) -> dict:
         "apply_layernorm_1p": m.apply_layernorm_1p, "swiglu": m.swiglu, "activation": "silu" if m.swiglu else "gelu",
         "position_embedding_type": m.position_embedding_type,
         "untie_embeddings_and_output_weights": m.untie_embeddings_and_output_weights,
-        "disable_bias_linear": m.disable_bias_linear, "add_qkv_bias": False, "qk_layernorm": m.qk_layernorm,
+        "disable_bias_linear": m.disable_bias_linear, "add_qkv_bias": m.add_qkv_bias and m.disable_bias_linear,
+        "qk_layernorm": m.qk_layernorm,
         "multi_latent_attention": False, "mtp_num_layers": 0, "hybrid_layer_pattern": None,
         "num_experts": m.num_experts, "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
         "padded_vocab_size": padded_vocab,
@@ -194,16 +197,16 @@ def run_arch(cfg, padded_vocab: int | None = None) -> dict:
         arch.update(
             moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_router_topk=m.moe_router_topk,
             moe_layer_freq=moe_layer_pattern(m), moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=m.moe_shared_expert_gate,
             moe_router_score_function=m.moe_router_score_function, moe_router_pre_softmax=m.moe_router_pre_softmax,
             moe_router_enable_expert_bias=m.moe_router_enable_expert_bias)
     return arch
 
 
 # Where a difference is not fixed by setting the flag of the same name.
-_HINT = {
+HINTS = {
     "num_query_groups": "--num-query-groups (Megatron-LM's applies only with --group-query-attention)",
     "activation": "megatron_md has GeLU and --swiglu only",
-    "add_qkv_bias": "megatron_md has no --add-qkv-bias: only --disable-bias-linear for all linear biases",
     "multi_latent_attention": "megatron_md builds no multi-latent attention",
     "mtp_num_layers": "megatron_md has no multi-token prediction",
     "hybrid_layer_pattern": "megatron_md builds GPT models, not hybrid (Mamba) ones",
@@ -232,7 +235,7 @@ def differences(args, cfg, padded_vocab: int | None = None) -> list[str]:
         else:
             same = a == b
         if not same:
-            out.append(f"{name}: checkpoint {a}, this run {b} ({_HINT.get(name, '--' + name.replace('_', '-'))})")
+            out.append(f"{name}: checkpoint {a}, this run {b} ({HINTS.get(name, '--' + name.replace('_', '-'))})")
     return out
 
 
@@ -255,9 +258,9 @@ def check_fits(root, cfg, flag: str, padded_vocab: int | None = None) -> bool:
 
 
 def _layout(args) -> dict:
-    tp, pp = _get(args, "tensor_model_parallel_size", 1), _get(args, "pipeline_model_parallel_size", 1)
-    return {"tp": tp, "pp": pp, "ep": _get(args, "expert_model_parallel_size", 1),
-            "etp": _get(args, "expert_tensor_parallel_size", tp), "dp": _get(args, "data_parallel_size", 1)}
+    tp, pp = saved_arg(args, "tensor_model_parallel_size", 1), saved_arg(args, "pipeline_model_parallel_size", 1)
+    return {"tp": tp, "pp": pp, "ep": saved_arg(args, "expert_model_parallel_size", 1),
+            "etp": saved_arg(args, "expert_tensor_parallel_size", tp), "dp": saved_arg(args, "data_parallel_size", 1)}
 
 
 def _check_optimizer(root, args, common, cfg, optimizer) -> None:
@@ -265,10 +268,10 @@ def _check_optimizer(root, args, common, cfg, optimizer) -> None:
     from megatron_md.training.checkpoints.checkpointing import CheckpointMismatch
 
     way_out = "pass --no-load-optim (or use --pretrained-checkpoint) to keep the weights and start the optimizer afresh"
-    if _get(args, "no_save_optim", False) or "opt_param_scheduler" not in common:
+    if saved_arg(args, "no_save_optim", False) or "opt_param_scheduler" not in common:
         raise CheckpointMismatch(f"--load {root}: the Megatron-LM checkpoint holds no optimizer state (saved with "
                                  f"--no-save-optim); {way_out}")
-    theirs = _get(args, "optimizer", "adam")
+    theirs = saved_arg(args, "optimizer", "adam")
     from megatron.core.optimizer import DistributedOptimizer
 
     from megatron_md.mcore.md_checkpoint import has_md
@@ -280,12 +283,12 @@ def _check_optimizer(root, args, common, cfg, optimizer) -> None:
     if theirs != "adam" or ours != "adam" or has_md(optimizer):
         problems.append(f"--optimizer: checkpoint {theirs}, this run {ours} (only Adam's state is read from a "
                         "Megatron-LM checkpoint)")
-    if bool(_get(args, "use_distributed_optimizer", False)) != ours_dist:
-        problems.append(f"--use-distributed-optimizer: checkpoint {bool(_get(args, 'use_distributed_optimizer', False))}"
+    if bool(saved_arg(args, "use_distributed_optimizer", False)) != ours_dist:
+        problems.append(f"--use-distributed-optimizer: checkpoint {bool(saved_arg(args, 'use_distributed_optimizer', False))}"
                         f", this run {ours_dist}")
-    if bool(_get(args, "bf16", False)) != cfg.training.bf16 or _get(args, "fp16", False):
-        problems.append(f"--bf16: checkpoint {bool(_get(args, 'bf16', False))}"
-                        f"{' (fp16)' if _get(args, 'fp16', False) else ''}, this run {cfg.training.bf16}")
+    if bool(saved_arg(args, "bf16", False)) != cfg.training.bf16 or saved_arg(args, "fp16", False):
+        problems.append(f"--bf16: checkpoint {bool(saved_arg(args, 'bf16', False))}"
+                        f"{' (fp16)' if saved_arg(args, 'fp16', False) else ''}, this run {cfg.training.bf16}")
     if problems:
         raise CheckpointMismatch(f"--load {root}: the optimizer state of this Megatron-LM checkpoint does not fit "
                                  f"this run's optimizer: {'; '.join(problems)}; {way_out}")
@@ -337,117 +340,5 @@ def load(root, path: Path, common: dict, model, optimizer=None, scheduler=None, 
         from megatron_md.mcore.md_checkpoint import reset_md_from_weights
 
         note = reset_md_from_weights(optimizer)  # MD / manifold state from the loaded weights (what it kept, moved)
-    return {"iteration": int(common.get("iteration", 0)), "consumed_samples": int(_get(args, "consumed_train_samples", 0)),
+    return {"iteration": int(common.get("iteration", 0)), "consumed_samples": int(saved_arg(args, "consumed_train_samples", 0)),
             "path": str(path), "extra": {}, "megatron_lm": True, "rng_restored": False, "weights_note": note}
-
-
-# ----------------------------------------------------------------------------- `megatron-md convert megatron-lm`
-
-# Settings Megatron-LM's args give that are no part of a run_config.yaml's model or schedule: paths of that
-# cluster, launch and profiling settings.
-_NOT_CARRIED = {"nproc_per_node", "device", "exit_interval", "exit_duration_in_mins", "exit_signal_handler", "profile",
-                "profile_step_start", "profile_step_end", "profile_ranks", "group_query_attention"}
-_UNSUPPORTED = ("multi_latent_attention", "add_qkv_bias", "mtp_num_layers", "hybrid_layer_pattern",
-                "rotary_interleaved", "use_rope_scaling", "rotary_seq_len_interpolation_factor")
-
-
-def config_from_args(args):
-    """(our RunConfig, notes) for a Megatron-LM checkpoint's ``args``: the shared flags' values by their dest
-    names (megatron_md's field names), Megatron-LM's conventions translated (query groups, biases, the MoE
-    layer pattern, the padded vocabulary), the data paths left out. ValueError for an architecture that
-    megatron_md does not build."""
-    from megatron_md.training.config import FIELDS, RunConfig, apply_overrides
-
-    arch = checkpoint_arch(args)
-    bad = [f"{name}: {arch[name]} ({_HINT[name]})" for name in _UNSUPPORTED if arch.get(name)]
-    if arch["activation"] not in ("silu", "gelu"):
-        bad.append(f"activation: {arch['activation']} ({_HINT['activation']})")
-    if bad:
-        raise ValueError(f"the checkpoint's model is not one megatron_md builds: {'; '.join(bad)}")
-    values = {name: getattr(args, name) for name, (section, _) in FIELDS.items()
-              if section in ("model", "parallel", "optimizer", "training") and name not in _NOT_CARRIED
-              and getattr(args, name, None) is not None}
-    values.update({k: arch[k] for k in ("num_query_groups", "kv_channels", "ffn_hidden_size", "disable_bias_linear",
-                                        "position_embedding_type")})
-    if arch["padded_vocab_size"]:
-        values["vocab_size"] = arch["padded_vocab_size"]  # already a multiple of the divisor x TP: pads to itself
-    if arch["num_experts"]:
-        values["moe_ffn_hidden_size"] = arch["moe_ffn_hidden_size"]
-        pattern = arch["moe_layer_freq"]
-        values["moe_layer_freq"] = "1" if all(pattern) else str(pattern).replace(" ", "")
-    cfg, notes = RunConfig(), []
-    for name, value in values.items():
-        try:
-            apply_overrides(cfg, {name: value}, "Megatron-LM's args")
-        except ValueError as e:
-            notes.append(f"not carried: {e}")
-    tok = _get(args, "tokenizer_type", None)
-    files = {k: _get(args, k, None) for k in ("tokenizer_model", "vocab_file", "merge_file")}
-    if tok == "NullTokenizer":
-        cfg.data.tokenizer_type = tok
-    elif tok and all(Path(v).exists() for v in files.values() if v) and any(files.values()):
-        apply_overrides(cfg, {"tokenizer_type": tok, **{k: v for k, v in files.items() if v}}, "Megatron-LM's args")
-    elif tok:
-        notes.append(f"tokenizer {tok} not carried (its files {[v for v in files.values() if v]} are not here): "
-                     "pass --tokenizer-model (and --tokenizer-type) when training on it")
-    return cfg, notes
-
-
-def convert(load, output, *, log=print) -> dict:
-    """Write our checkpoint (weights, iteration, consumed samples, a run_config.yaml from the saved args, a
-    checksums.json) of the Megatron-LM checkpoint at ``load``; one CPU process, any saved TP/PP layout."""
-    import shutil
-
-    from megatron.core import dist_checkpointing
-
-    from megatron_md.convert.hf_export import init_single_process, shutdown
-    from megatron_md.models.builder import build_model, padded_vocab_size
-    from megatron_md.training.checkpoints import checkpointing as ckpt
-    from megatron_md.training.checkpoints.integrity import write_manifest
-    from megatron_md.training.validate import validate_for_inference
-
-    found = find(load)
-    if found is None:
-        raise FileNotFoundError(f"--load {load}: no Megatron-LM torch_dist checkpoint there (a {LATEST} naming a "
-                                "directory whose common state holds 'args' and 'checkpoint_version')")
-    path, common = found
-    args, root = common["args"], Path(output)
-    cfg, notes = config_from_args(args)
-    validate_for_inference(cfg)
-    iteration, consumed = int(common.get("iteration", 0)), int(_get(args, "consumed_train_samples", 0))
-    final = ckpt.iter_dir(root, iteration)
-    if (root / ckpt.LATEST).exists() or final.exists():
-        raise FileExistsError(f"--output {root}: already holds a checkpoint; choose an empty directory")
-    run_yaml = cfg.to_yaml()
-    p = cfg.parallel  # the run config keeps the saved layout; the weights are read at TP1 PP1 (dist_checkpointing reshards)
-    p.tensor_model_parallel_size = p.pipeline_model_parallel_size = p.expert_model_parallel_size = 1
-    p.expert_tensor_parallel_size, p.sequence_parallel, p.use_distributed_optimizer = None, False, False
-    cfg.model.transformer_impl, cfg.training.bf16 = "local", False
-    vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, 1)
-    diffs = differences(args, cfg, vocab)
-    if diffs:  # the translation itself missed something: say so rather than write a wrong checkpoint
-        raise ValueError(f"internal: the derived config differs from the checkpoint's args: {'; '.join(diffs)}")
-    init_single_process(cfg.training.seed)
-    partial = final.with_name(final.name + ".partial")
-    try:
-        model = build_model(cfg, vocab, cpu=True, pre_process=True, post_process=True)
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
-        model.load_state_dict(loaded["model"])
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": iteration,
-                                 "consumed_samples": consumed, "has_md": False,
-                                 "extra": {"imported_from": str(path.resolve()), "megatron_lm_source": SOURCE}},
-                                str(partial))
-    finally:
-        shutdown()
-    (partial / ckpt.RUN_CONFIG).write_text(run_yaml)
-    write_manifest(partial)
-    partial.rename(final)
-    (root / ckpt.LATEST).write_text(f"{iteration}\n")
-    for note in notes:
-        log(f"convert megatron-lm: {note}")
-    log(f"convert megatron-lm: {path} -> {final} (iteration {iteration}, {consumed} samples consumed; optimizer "
-        "and RNG state are not converted)")
-    return {"path": str(final), "iteration": iteration, "consumed_samples": consumed, "notes": notes}
