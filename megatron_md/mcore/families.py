@@ -288,6 +288,15 @@ class ManifoldFamily(_EngineFamily):
         super().validate(cfg, need)
         o = cfg.optimizer
         self._tp_mode_check(cfg, need)
+        spec = o.manifold.geometry
+        auto = spec == "auto" or spec.startswith("auto:")
+        need(not auto or o.manifold.geometry_auto_sigma_max is not None or o.manifold.geometry_auto_logit is not None,
+             f"--geometry {spec} switches modules on thresholds: set --geometry-auto-sigma-max and/or "
+             "--geometry-auto-logit")
+        try:  # the preset or rules parse here, before any process starts (the build parses them again)
+            self._policy(cfg)
+        except ValueError as e:
+            need(False, f"{e} (in --geometry {spec})")
         need(o.md.md_ns_coefficients == "quintic" or "md" in o.manifold.geometry,
              "--md-ns-coefficients applies to MD groups only and --geometry "
              f"{o.manifold.geometry} has none; Manifold Muon uses Polar Express (--manifold-msign-steps, "
@@ -321,9 +330,13 @@ class ManifoldFamily(_EngineFamily):
         return get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides), PolicyHooks(policy)
 
     def _policy(self, cfg):
+        """The geometry policy ``--geometry`` names (for ``auto:SPEC``, SPEC's: the switches come later)."""
         from megatron_md.optim.policy import make_policy
 
-        return make_policy(cfg.optimizer.manifold.geometry)
+        spec = cfg.optimizer.manifold.geometry
+        if spec == "auto" or spec.startswith("auto:"):
+            spec = spec.partition(":")[2] or "hetero"
+        return make_policy(spec)
 
     def assign(self, cfg, role: str) -> Assignment:
         from megatron_md.optim.policy import MANIFOLD_GEOMETRIES

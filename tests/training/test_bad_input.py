@@ -64,6 +64,13 @@ MOCK = ["--mock-data", "--wandb-mode", "disabled"]
          "--md-sphere-kind spectral fixes a norm of the whole matrix: it needs --md-sphere flat"),
         (["--model", "tiny-dense", "--optimizer", "norm_md", "--md-preserve-init", "--md-sphere", "rowcol",
           "--md-gains", "row"], "needs --md-gains rowcol"),
+        # a mistyped geometry, rule or missing auto threshold: one line before launch, not a traceback per rank
+        (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--geometry", "spherical", "--nproc-per-node", "2"],
+         "--geometry: 'spherical' is neither a preset"),
+        (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--geometry", "mlp=dgarm"],
+         "unknown geometry 'dgarm' for 'mlp'"),
+        (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--geometry", "auto:hetero"],
+         "--geometry auto:hetero switches modules on thresholds"),
     ],
 )
 def test_invalid_layouts_and_batches(capsys, args, needle):
