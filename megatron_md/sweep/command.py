@@ -270,7 +270,8 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
     from megatron_md.sweep import results, runner
 
     cells = spec.cells()
-    cfg0 = runner.resolve_cell(spec, cells[0])
+    cfg0 = runner.resolve_cell(spec, cells[0], more=tuple(runner.local_flags(out, cells[0], a.resume_cells,
+                                                                            a.cell_save_interval)))
     for w in runner.width_warnings(spec.base, spec.base_explicit):
         log(f"[lr-sweep] warning: {w}")
     m = cfg0.model

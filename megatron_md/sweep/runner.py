@@ -250,6 +250,17 @@ def resumable_from(d: Path, args: list[str]) -> Optional[int]:
     return latest
 
 
+def local_flags(out: Path, cell: Cell, resume: bool = False, save_interval: Optional[int] = None) -> list[str]:
+    """The flags a local cell runs with beside the grid's: with ``resume`` its own checkpoint directory (saved on
+    SIGTERM and every ``save_interval`` steps); without, no periodic saves (``--save-interval 0``), so a recipe
+    written for a cluster run that saves every N steps (examples/md_paper) sweeps locally without a --save."""
+    if not resume:
+        return ["--save-interval", "0"]
+    ckpt = str(cell_dir(out, cell) / CHECKPOINT)
+    flags = ["--save", ckpt, "--load", ckpt, "--keep-last-n-checkpoints", "1"]  # resuming needs the newest
+    return flags + (["--save-interval", str(save_interval)] if save_interval else [])
+
+
 def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int, stop: Optional[_Stop] = None,
              threads: Optional[int] = None, resume: bool = False, save_interval: Optional[int] = None) -> dict:
     """Train one cell (``threads``: its OMP_NUM_THREADS); return its result record (written to result.json)
@@ -262,12 +273,9 @@ def run_cell(spec: SweepSpec, cell: Cell, out: Path, params: int, stop: Optional
     if d.exists() and start is None:
         shutil.rmtree(d)  # a run that never finished: its metrics would be appended to
     d.mkdir(parents=True, exist_ok=True)
-    run_args = args + ["--run-dir", str(d)]
+    run_args = args + ["--run-dir", str(d)] + local_flags(out, cell, resume, save_interval)
     attempts = {"args": args, "attempts": []}
     if resume:
-        ckpt = str(d / CHECKPOINT)
-        run_args += ["--save", ckpt, "--load", ckpt, "--keep-last-n-checkpoints", "1"]  # resuming needs the newest
-        run_args += ["--save-interval", str(save_interval)] if save_interval else []
         if start is not None:
             attempts = json.loads((d / ATTEMPTS).read_text())
         attempts["attempts"].append({"from_iteration": start or 0, "wall_s": None})
@@ -347,7 +355,8 @@ def run_sweep(spec: SweepSpec, out: Path, *, max_cells: Optional[int] = None, re
 
     log = log_line
     cells = spec.cells()
-    configs = {c.name: resolve_cell(spec, c) for c in cells}  # every cell's flags checked before any runs
+    # every cell's flags checked before any runs, as the cell will run them
+    configs = {c.name: resolve_cell(spec, c, more=tuple(local_flags(out, c, resume, save_interval))) for c in cells}
     params = {}
     counts = {"cells": len(cells), "skipped": 0, "ran": 0, "ok": 0, "diverged": 0, "failed": 0, "left": 0, "busy": 0}
     todo = []
@@ -433,9 +442,9 @@ def _main_thread() -> bool:
 
 def dry_run(spec: SweepSpec, out: Path, log: Callable[[str], None] = print) -> None:
     for cell in spec.cells():
-        resolve_cell(spec, cell)
+        resolve_cell(spec, cell, more=tuple(local_flags(out, cell)))
         done = "# finished: " if finished(spec, cell, out, False) else ""
-        log(done + "megatron-md train " + shlex.join(spec.train_args(cell, cell_dir(out, cell))))
+        log(done + "megatron-md train " + shlex.join(spec.train_args(cell, cell_dir(out, cell)) + local_flags(out, cell)))
 
 
 def collect_slurm(spec: SweepSpec, src: Path, out: Path, log: Callable[[str], None] = print) -> dict:

@@ -198,7 +198,9 @@ class DataConfig:
 class CheckpointConfig:
     save: Optional[str] = opt(None, "Checkpoint directory to write.")
     load: Optional[str] = opt(None, "Checkpoint directory to resume from.")
-    save_interval: Optional[int] = opt(None, "Save every N steps (and always at the end).", valid=">=1")
+    save_interval: Optional[int] = opt(
+        None, "Save every N steps (and always at the end, with --save); 0: never periodically, as Megatron-LM.",
+        valid=">=0")
     pretrained_checkpoint: Optional[str] = opt(
         None, "Start from these model weights (no optimizer, iteration 0), e.g. a seed checkpoint."
     )

@@ -146,7 +146,7 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             f"--save {c.save} already holds checkpoints; pass --load {c.save} to resume from them, "
             "or choose a new --save directory (existing checkpoints are never overwritten)",
         )
-    if c.save_interval is not None:
+    if c.save_interval:
         need(c.save is not None, "--save-interval needs --save DIR")
 
     errors += performance_errors(cfg, world_size)

@@ -357,3 +357,19 @@ def test_collect_gathers_a_slurm_array_run(tmp_path, capsys):
     assert runner.finished(s, cells[0], out, retry_failed=False) is not None
     assert command.main(["--out", str(out), "--collect", str(tmp_path / "nope"), *flags]) == 2
     assert "--collect" in capsys.readouterr().err
+
+
+def test_a_cluster_recipe_that_saves_periodically_sweeps_locally(tmp_path, capsys):
+    """examples/md_paper saves every 1000 steps, which needs --save: a local cell runs without periodic saves
+    (--save-interval 0, Megatron-LM's 'never'), a resumable one with its own checkpoint directory; both are
+    checked before any cell runs (the dry run stopped with '--save-interval needs --save DIR')."""
+    recipe = str(REPO / "examples" / "md_paper" / "dense-181m_muon_md.yaml")
+    argv = ["--config", recipe, "--widths", "256", "--optimizers", "muon_md", "--lrs", "1", "--out", str(tmp_path / "o")]
+    assert command.main([*argv, "--dry-run", "--", "--mock-data"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.endswith("--save-interval 0") and "--save " not in line
+    spec = command.build_spec(command.parser().parse_args(argv), ["--mock-data"])
+    cell = spec.cells()[0]
+    resumable = runner.local_flags(tmp_path / "o", cell, resume=True)
+    assert resumable[:2] == ["--save", str(runner.cell_dir(tmp_path / "o", cell) / runner.CHECKPOINT)]
+    assert runner.resolve_cell(spec, cell, more=tuple(resumable)).checkpoint.save_interval == 1000  # the recipe's
