@@ -310,6 +310,8 @@ def manifold_param_overrides(config: ManifoldOptimizerConfig, policy: GeometryPo
                     "embedding": md.get("embedding"), "head": md.get("output")}
             src = base["router" if role == "router" else role if role in ("embedding", "head") else "hidden"]
             out[key] = {**src, "is_decoupled_lr": f"md:{role}"}
+            if named := policy.explicit_base(role):  # `role=md:adam`: that role's MD base (it was ignored)
+                out[key]["md_base"] = named
         elif a.geometry in MANIFOLD_GEOMETRIES or (a.geometry == "none" and a.base == "muon"):
             out[key] = {"max_lr": matrix_lr, "min_lr": matrix_lr * min_ratio, "manifold": a.geometry,
                         "md_role": "manifold", "is_decoupled_lr": f"mm:{role}"}

@@ -212,6 +212,12 @@ class GeometryPolicy:
     def assign_param(self, name: str) -> Assignment:
         return self.assign(role_of(name))
 
+    def explicit_base(self, role: str) -> str | None:
+        """The base the last rule covering ``role`` names with ``:base`` (None: that rule names none, so the
+        role keeps its family's default, e.g. --md-router-base for an MD router)."""
+        last = [r for r in self.rules if _covers(r.prefix, role)]
+        return last[-1].base if last else None
+
     def table(self) -> dict[str, Assignment]:
         return {role: self.assign(role) for role in ROLES}
 
