@@ -56,6 +56,10 @@ class OptimizerFamily:
     default_ns_tp_mode = "layer_sharded"
     recipe: dict = {}
 
+    def recipe_for(self, geometry: str) -> dict:
+        """The defaults this family applies unless set explicitly (``geometry``: the run's --geometry)."""
+        return self.recipe
+
     def validate(self, cfg, need: Callable[[bool, str], None]) -> None:
         name = cfg.optimizer.optimizer
         o = cfg.optimizer
@@ -283,6 +287,11 @@ class ManifoldFamily(_EngineFamily):
     # decay, momentum 0.9 without Nesterov, beta2 0.999).
     recipe = {"lr_decay_style": "cosine", "muon_momentum": 0.95, "muon_nesterov": True, "adam_beta2": 0.95}
     sections = ("md", "lion", "soap", "ademamix", "manifold")
+
+    def recipe_for(self, geometry: str) -> dict:
+        # --geometry md puts every matrix under MD: the run is MD's, so it takes MD's recipe (no weight decay, no
+        # warmup); mixed geometries keep the Manifold Muon recipe their records were made with.
+        return MDFamily.recipe if geometry.strip().lower() == "md" else self.recipe
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)

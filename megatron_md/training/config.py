@@ -499,7 +499,8 @@ def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict, sources:
     src.update(dict.fromkeys(_keys(file_values), f"--config {yaml_path}"))
     name = cli.get("optimizer") or cfg.optimizer.optimizer
     family = FAMILIES.get(name)
-    for k, v in (family.recipe if family else {}).items():  # the family's recipe, unless set explicitly
+    recipe = family.recipe_for(cli.get("geometry") or cfg.optimizer.manifold.geometry) if family else {}
+    for k, v in recipe.items():  # the family's recipe, unless set explicitly
         if k not in explicit:
             apply_overrides(cfg, {k: v}, f"{name} recipe")
             src[k] = f"{name} recipe"

@@ -123,3 +123,18 @@ def test_policy_hooks_save_and_restore_the_auto_switches():
     assert after.load_state_dict(before.state_dict(), no_manifold_optimizer) == [f"(restored) {switched[0]}"]
     assert after.policy.assign("attention.qkv", 0).geometry == "stiefel"
     assert after.policy.assign("attention.qkv", 1).geometry == "dgram"
+
+
+def test_manifold_muon_with_every_matrix_md_takes_md_s_recipe():
+    """--geometry md runs every matrix as MD, so the run takes MD's recipe (no weight decay, no warmup, linear
+    decay) unless set explicitly; it kept Manifold Muon's, and so Megatron-LM's weight decay 0.01. Mixed
+    geometries keep the Manifold Muon recipe."""
+    from megatron_md.training.config import resolve
+
+    def run(geometry, **extra):
+        o = resolve("tiny-dense", None, {"optimizer": "manifold_muon", "geometry": geometry, **extra}).optimizer
+        return o.weight_decay, o.lr_warmup_iters, o.lr_decay_style
+
+    assert run("md") == (0.0, 0, "linear") == run("md", weight_decay=0.0)
+    assert run("md", weight_decay=0.1)[0] == 0.1  # an explicit value wins
+    assert run("hetero") == run("hetero-md") == (0.01, 0, "cosine")
