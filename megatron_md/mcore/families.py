@@ -303,9 +303,17 @@ class ManifoldFamily(_EngineFamily):
              f"--geometry {spec} switches modules on thresholds: set --geometry-auto-sigma-max and/or "
              "--geometry-auto-logit")
         try:  # the preset or rules parse here, before any process starts (the build parses them again)
-            self._policy(cfg)
+            policy = self._policy(cfg)
         except ValueError as e:
             need(False, f"{e} (in --geometry {spec})")
+        else:
+            if auto:
+                from megatron_md.optim.policy import AutoPolicy
+
+                need(bool(AutoPolicy(policy).switchable_roles()),
+                     f"--geometry {spec}: no module could switch (the switches move Muon-based modules that are "
+                     "neither Stiefel nor MD onto Stiefel); use a geometry with unconstrained or DGram modules, "
+                     "e.g. auto:hetero or auto:all-dgram")
         need(o.md.md_ns_coefficients == "quintic" or "md" in o.manifold.geometry,
              "--md-ns-coefficients applies to MD groups only and --geometry "
              f"{o.manifold.geometry} has none; Manifold Muon uses Polar Express (--manifold-msign-steps, "

@@ -241,7 +241,8 @@ class AutoPolicy(GeometryPolicy):
     ``observe(key, sigma_max=..., max_logit=...)`` with ``key`` a parameter name, a role, a layer-scoped
     role (``"layers.3.attention.qkv"``) or a layer (``3`` / ``"layers.3"``, for logits). σ_max past its
     threshold switches the observed module; a max logit past its threshold switches that layer's attention
-    (QKV and out-proj). Only Muon-based, non-Stiefel modules switch; a switch is never undone. Returns
+    (QKV and out-proj). Only Muon-based modules that are neither on the target nor MD switch; a switch is never
+    undone. Returns
     the log lines of the switches made by this call.
     """
 
@@ -282,11 +283,20 @@ class AutoPolicy(GeometryPolicy):
             raise ValueError(f"AutoPolicy.observe: cannot tell the module of {key!r}")
         return layer_of(key), [role]
 
+    def _switchable(self, a: Assignment, role: str) -> bool:
+        # MD modules never switch: they live in MD groups with gains and a sphere, which a manifold's state does
+        # not replace mid-run (a switch was logged for them and then not applied).
+        return a.base == "muon" and a.geometry not in (self.target, "md") and role in HIDDEN_ROLES
+
+    def switchable_roles(self) -> list[str]:
+        """The hidden roles a switch can move (Muon-based, neither the target nor MD)."""
+        return [r for r in HIDDEN_ROLES if self._switchable(GeometryPolicy.assign(self, r), r)]
+
     def _switch(self, layer: int | None, role: str, why: str) -> str | None:
         if (None, role) in self.switched or (layer, role) in self.switched:
             return None
         current = self.assign(role, layer)
-        if current.base != "muon" or current.geometry == self.target or role not in HIDDEN_ROLES:
+        if not self._switchable(current, role):
             return None
         self.switched[(layer, role)] = why
         where = f"layer {layer} {role}" if layer is not None else f"{role} (all layers)"

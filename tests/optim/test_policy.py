@@ -147,7 +147,8 @@ def test_auto_policy_logit_switches_the_layers_attention_only():
     assert auto.assign("attention.qkv", 1).geometry == "dgram"
     assert auto.assign("mlp.fc1", 2).geometry == "stiefel"  # hetero-inv MLP is already Stiefel
     # role-wide observation (all layers); Adam-routed modules never switch; no threshold -> no switch
-    auto2 = AutoPolicy("md", sigma_max_threshold=5.0)
+    # (unconstrained: MD modules never switch, test_auto_policy_never_switches_md_modules)
+    auto2 = AutoPolicy("unconstrained", sigma_max_threshold=5.0)
     assert auto2.observe("embedding", sigma_max=100.0) == []
     assert auto2.observe("mlp", sigma_max=6.0) and auto2.assign("mlp.fc2", 7) == A("stiefel", "muon")
     assert auto2.observe(0, max_logit=1e9) == []
@@ -157,3 +158,15 @@ def test_auto_policy_logit_switches_the_layers_attention_only():
     auto3 = AutoPolicy("hetero-inv", logit_threshold=30.0)
     auto3.load_state_dict(auto.state_dict())
     assert auto3.assign("attention.proj", 2) == A("stiefel", "muon") and auto3.log == auto.log
+
+
+def test_auto_policy_never_switches_md_modules():
+    """An MD module keeps its geometry: its gains and sphere are not a manifold's state, and the optimizer only
+    moves manifold groups (a switch used to be logged for MD modules and then not applied)."""
+    p = AutoPolicy("hetero-md,attention=none", sigma_max_threshold=1.0, logit_threshold=10.0)
+    assert p.switchable_roles() == ["attention.qkv", "attention.proj"]
+    assert p.observe("decoder.layers.0.mlp.linear_fc1.weight", sigma_max=5.0) == []
+    assert p.assign_param("decoder.layers.0.mlp.linear_fc1.weight").geometry == "md"
+    assert p.observe("decoder.layers.0.self_attention.linear_qkv.weight", sigma_max=5.0)  # a plain-Muon module does
+    assert p.assign_param("decoder.layers.0.self_attention.linear_qkv.weight").geometry == "stiefel"
+    assert AutoPolicy("hetero-md", sigma_max_threshold=1.0).switchable_roles() == []

@@ -71,6 +71,8 @@ MOCK = ["--mock-data", "--wandb-mode", "disabled"]
          "unknown geometry 'dgarm' for 'mlp'"),
         (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--geometry", "auto:hetero"],
          "--geometry auto:hetero switches modules on thresholds"),
+        (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--geometry", "auto:hetero-md",
+          "--geometry-auto-sigma-max", "2"], "--geometry auto:hetero-md: no module could switch"),
     ],
 )
 def test_invalid_layouts_and_batches(capsys, args, needle):
