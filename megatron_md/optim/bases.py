@@ -90,7 +90,8 @@ class AdamBase(BaseUpdate):
                                             hp.betas, hp.eps, out=scratch)
 
     def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
-        W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
+        W_hat.addcdiv_(state["exp_avg"], direction,
+                       value=-hp.lr * adam_step_size(state["step"].item(), hp.betas) * hp.radius_scale)
 
 
 def sign_scale(block_shape: tuple[int, int]) -> float:
@@ -119,7 +120,7 @@ class LionBase(BaseUpdate):
     def descend_(self, W_hat, direction, state, hp, blocks: Sequence[Block], orthogonalized,
                  reducer=LOCAL_REDUCER) -> None:
         for blk in blocks:
-            add_block_(W_hat, blk, get_block(direction, blk), -hp.lr * sign_scale(blk.shape))
+            add_block_(W_hat, blk, get_block(direction, blk), -hp.lr * sign_scale(blk.shape) * hp.radius_scale)
 
 
 class SoapBase(BaseUpdate):
@@ -174,7 +175,7 @@ class SoapBase(BaseUpdate):
         return precondition(update, Q, dims=[[0], [1]])
 
     def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
-        W_hat.add_(direction, alpha=-hp.lr)
+        W_hat.add_(direction, alpha=-hp.lr * hp.radius_scale)
 
 
 def _half_life(beta: float) -> float:
@@ -220,7 +221,7 @@ class AdEMAMixBase(BaseUpdate):
         return torch.div(num, denom, out=denom)
 
     def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
-        W_hat.add_(direction, alpha=-hp.lr * adam_step_size(state["step"].item(), hp.betas))
+        W_hat.add_(direction, alpha=-hp.lr * adam_step_size(state["step"].item(), hp.betas) * hp.radius_scale)
 
 
 class NormalizedBase(BaseUpdate):

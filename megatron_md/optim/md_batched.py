@@ -285,9 +285,11 @@ def descend_(prep: BatchedPrepared, slab: Slab, hp: MDHyperParams, base: BaseUpd
             add_stacked_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
     elif isinstance(base, LionBase):
         for blk in prep.blocks:
-            add_stacked_block_(W_hat, blk, stacked_block(prep.direction, blk), -hp.lr * sign_scale(blk.shape))
+            add_stacked_block_(W_hat, blk, stacked_block(prep.direction, blk),
+                               -hp.lr * sign_scale(blk.shape) * hp.radius_scale)
     else:  # Adam: the step counter was advanced in prepare
-        W_hat.addcdiv_(slab.data["exp_avg"], prep.direction, value=-hp.lr * adam_step_size(slab.steps["step"][0], hp.betas))
+        W_hat.addcdiv_(slab.data["exp_avg"], prep.direction,
+                       value=-hp.lr * adam_step_size(slab.steps["step"][0], hp.betas) * hp.radius_scale)
     prep.scale = sphere_scale_stacked(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
 
 

@@ -133,6 +133,7 @@ class Reference:
             self.M = BETAS[0] * self.M + (1 - BETAS[0]) * G_hat
             self.V = BETAS[1] * self.V + (1 - BETAS[1]) * G_hat**2
             U = (self.M / (1 - BETAS[0] ** self.t)) / ((self.V / (1 - BETAS[1] ** self.t)).sqrt() + 1e-8)
+            U = U * self.geo.get("radius_scale", 1.0)  # the step shrinks with the sphere, as Muon's below
         else:  # Muon: EMA momentum, Nesterov, msign and shape_up per update block (times radius_scale)
             self.M = 0.95 * self.M + 0.05 * G_hat
             N = 0.05 * G_hat + 0.95 * self.M

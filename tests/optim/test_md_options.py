@@ -266,3 +266,27 @@ def test_soap_base_matches_emerging_optimizers_soap():
                 shadow.copy_(_project(shadow.double(), "flat"))
     torch.testing.assert_close(p.detach(), shadow.detach(), rtol=1e-4, atol=1e-5)
     assert set(opt.base.side_state) <= set(opt.state[p])
+
+
+@pytest.mark.parametrize("name", ["MuonMD", "AdamMD", "LionMD", "SoapMD", "AdEMAMixMD", "NormMD"])
+def test_a_smaller_sphere_scales_every_base_s_step_alike(name):
+    """``radius_scale`` (``--md-out-proj-radius``'s 1/sqrt(2L)) puts a matrix on a smaller sphere; its step must
+    shrink by the same factor so the matrix turns by the same angle. Only Muon's (and the normalised base's) did:
+    Adam's, Lion's, SOAP's and AdEMAMix's steps kept their size, turning out-projections c times further."""
+    import megatron_md.optim as O
+
+    c, lr = 0.25, 0.05
+    W = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    G = torch.randn(24, 40, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for scale in (1.0, c):
+        p = torch.nn.Parameter(W.clone())
+        opt = getattr(O, name)([{"params": [p], "radius_scale": scale}], lr=lr, gains="none")
+        start = p.detach().clone()
+        for _ in range(2):
+            p.grad = G.clone()
+            opt.step()
+        out[scale] = (start, p.detach().clone())
+    (a0, a1), (b0, b1) = out[1.0], out[c]
+    assert torch.allclose(b0, c * a0, atol=1e-6)  # the same direction on the smaller sphere
+    assert torch.allclose(b1, c * a1, atol=1e-5), (b1 / c - a1).abs().max()  # turned by the same angle
