@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from megatron_md.mcore.families import family_of
 from megatron_md.training.config import RunConfig, range_errors
@@ -17,18 +18,34 @@ def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
-def validate_config(cfg: RunConfig, world_size: int) -> None:
-    """Raise ConfigError for the first invalid combination found."""
-    m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
-    out_of_range = range_errors(cfg)  # first: the checks below divide by these sizes
-    if out_of_range:
-        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(out_of_range))
+def _collector() -> tuple[list[str], Callable[[bool, str], None]]:
+    """(errors, need): ``need(cond, msg)`` records ``msg`` when ``cond`` is false."""
     errors: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
             errors.append(msg)
 
+    return errors, need
+
+
+def validate_config(cfg: RunConfig, world_size: int) -> None:
+    """Raise ConfigError naming every invalid combination found."""
+    out_of_range = range_errors(cfg)  # first: the checks below divide by these sizes
+    if out_of_range:
+        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(out_of_range))
+    errors = layout_errors(cfg, world_size) + optimizer_errors(cfg, world_size)
+    errors += data_errors(cfg) + moe_layer_errors(cfg) + input_errors(cfg) + checkpoint_dir_errors(cfg)
+    errors += performance_errors(cfg, world_size)
+    errors += backend_errors(cfg)
+    if errors:
+        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
+
+
+def layout_errors(cfg: RunConfig, world_size: int) -> list[str]:
+    """The parallel sizes against the world, the model's shapes and the batch."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    errors, need = _collector()
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
     etp = p.expert_tensor_parallel_size or tp
     need(
@@ -95,6 +112,13 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {t.micro_batch_size} x "
             f"data-parallel size {dp}; use a multiple of {t.micro_batch_size * dp}",
         )
+    return errors
+
+
+def optimizer_errors(cfg: RunConfig, world_size: int) -> list[str]:
+    """The schedule, the LR settings and the optimizer family's own checks."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.training, cfg.optimizer
+    errors, need = _collector()
     errors += schedule_errors(cfg, world_size)
     need(t.train_iters > 0 or cfg.checkpoint.save is not None, "--train-iters 0 only makes sense with --save (a seed checkpoint)")
     need(0 <= o.min_lr <= o.lr, f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
@@ -113,9 +137,13 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
             f"--optimizer {o.optimizer} with --use-distributed-optimizer uses megatron-core's "
             "layer-wise distributed optimizer, which only supports bf16: add --bf16",
         )
+    return errors
 
+
+def input_errors(cfg: RunConfig) -> list[str]:
+    """Data paths and the tokenizer files they need."""
     d = cfg.data
-    errors += data_errors(cfg) + moe_layer_errors(cfg)
+    errors, need = _collector()
     if not d.mock_data:
         need(bool(d.data_path or d.train_data_path),
              "no data: pass --data-path PREFIX (see tools/preprocess_data.py), --train-data-path, or --mock-data")
@@ -130,7 +158,12 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
 
         for e in tokenizer_errors(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file):
             need(False, e)
+    return errors
 
+
+def checkpoint_dir_errors(cfg: RunConfig) -> list[str]:
+    """--load, --pretrained-checkpoint and --save: what they hold, and that nothing saved is overwritten."""
+    errors, need = _collector()
     c = cfg.checkpoint
     same_dir = bool(c.load and c.save) and Path(c.load).resolve() == Path(c.save).resolve()
     if c.load and not Path(c.load).exists() and not same_dir:
@@ -148,11 +181,7 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
         )
     if c.save_interval:
         need(c.save is not None, "--save-interval needs --save DIR")
-
-    errors += performance_errors(cfg, world_size)
-    errors += backend_errors(cfg)
-    if errors:
-        raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
+    return errors
 
 
 def validate_for_inference(cfg: RunConfig, world_size: int = 1) -> None:
