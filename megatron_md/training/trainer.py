@@ -389,6 +389,51 @@ class Trainer:
             keep_last=c.keep_last_n_checkpoints,
         )
 
+    def _count_step(self, interval: dict, loss, grad_norm, ok: bool) -> None:
+        """One step into the state and the log interval; a non-finite one is counted as skipped, and too many in
+        a row stop the run."""
+        s, t = self.state, self.cfg.training
+        s.iteration += 1
+        s.consumed_samples += self.step_gbs
+        interval["iters"] += 1
+        interval["samples"] += self.step_gbs
+        if ok:
+            s.consecutive_skips = 0
+            if loss is not None:
+                interval["loss"] += loss
+                interval["n"] += 1
+            interval["grad_norm"] = grad_norm
+            s.history.append((s.iteration, loss))
+            return
+        s.skipped_total += 1
+        s.consecutive_skips += 1
+        interval["skipped"] += 1
+        if loss is None or not math.isfinite(loss):
+            s.nan_total += 1
+            interval["nan"] += 1
+        self.logger.print(f"[warn] iteration {s.iteration}: non-finite loss or gradient, update skipped")
+        if s.consecutive_skips >= t.max_consecutive_skips:
+            raise TrainingStopped(
+                f"stopping: {s.consecutive_skips} consecutive iterations had a non-finite loss "
+                f"or gradient (--max-consecutive-skips {t.max_consecutive_skips}); lower --lr, "
+                "check the data, or resume from the last checkpoint"
+            )
+
+    def _told_to_stop(self) -> bool:
+        """A preemption signal or the --exit-duration-in-mins deadline (every rank agrees): noted and logged."""
+        s, log, deadline = self.state, self.logger, self.cfg.training.exit_duration_in_mins
+        signum = self.preemption.poll(None if deadline is None else time.time() - self.start_time > 60.0 * deadline)
+        if signum == TIME_UP:
+            self.timed_out = True
+            log.print(f"--exit-duration-in-mins {deadline:g} reached at iteration {s.iteration}: "
+                      + ("saving and exiting" if self.cfg.checkpoint.save else "exiting (no --save)"))
+            return True
+        if signum:
+            self.preempted_by = signal_name(signum)
+            log.print(f"received {self.preempted_by} at iteration {s.iteration}: saving and exiting")
+            return True
+        return False
+
     def train(self) -> TrainState:
         cfg, t, s, log = self.cfg, self.cfg.training, self.state, self.logger
         interval = self._new_interval()
@@ -400,31 +445,7 @@ class Trainer:
                 t0 = time.perf_counter()  # only the step is timed: not evaluation, saving or diagnostics
                 loss, grad_norm, ok = self.train_step()
                 interval["train_s"] += time.perf_counter() - t0
-                s.iteration += 1
-                s.consumed_samples += self.step_gbs
-                interval["iters"] += 1
-                interval["samples"] += self.step_gbs
-                if ok:
-                    s.consecutive_skips = 0
-                    if loss is not None:
-                        interval["loss"] += loss
-                        interval["n"] += 1
-                    interval["grad_norm"] = grad_norm
-                    s.history.append((s.iteration, loss))
-                else:
-                    s.skipped_total += 1
-                    s.consecutive_skips += 1
-                    interval["skipped"] += 1
-                    if loss is None or not math.isfinite(loss):
-                        s.nan_total += 1
-                        interval["nan"] += 1
-                    log.print(f"[warn] iteration {s.iteration}: non-finite loss or gradient, update skipped")
-                    if s.consecutive_skips >= t.max_consecutive_skips:
-                        raise TrainingStopped(
-                            f"stopping: {s.consecutive_skips} consecutive iterations had a non-finite loss "
-                            f"or gradient (--max-consecutive-skips {t.max_consecutive_skips}); lower --lr, "
-                            "check the data, or resume from the last checkpoint"
-                        )
+                self._count_step(interval, loss, grad_norm, ok)
                 self.housekeeping.after_step(s.iteration)
                 trace = self.profiler.after_step(s.iteration)
                 if trace:
@@ -438,19 +459,7 @@ class Trainer:
                 if cfg.checkpoint.save and cfg.checkpoint.save_interval and s.iteration % cfg.checkpoint.save_interval == 0:
                     self.save()
                 self._publish_finished_saves(blocking=False)
-                deadline = t.exit_duration_in_mins
-                signum = self.preemption.poll(
-                    None if deadline is None else time.time() - self.start_time > 60.0 * deadline)
-                if signum == TIME_UP:
-                    self.timed_out = True
-                    log.print(f"--exit-duration-in-mins {deadline:g} reached at iteration {s.iteration}: "
-                              + ("saving and exiting" if cfg.checkpoint.save else "exiting (no --save)"))
-                    break
-                if signum:
-                    self.preempted_by = signal_name(signum)
-                    log.print(f"received {self.preempted_by} at iteration {s.iteration}: saving and exiting")
-                    break
-                if t.exit_interval and s.iteration % t.exit_interval == 0:
+                if self._told_to_stop() or (t.exit_interval and s.iteration % t.exit_interval == 0):
                     break
             # train_iters 0 makes a seed checkpoint: the initial weights, saved, no evaluation. A preempted
             # run skips the final evaluation: the grace time before the kill is for the checkpoint.
