@@ -9,6 +9,7 @@ loadable. Existing checkpoints are never overwritten.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -136,6 +137,38 @@ def _sharded_state(
     return state
 
 
+def _publish(root: Path, final: Path, partial: Path, iteration: int, run_config_yaml: str,
+             tokenizer_model: str | None, keep_last: int | None) -> None:
+    """On every rank, once every rank's shards are written: the run config, the tokenizer files and the checksums
+    beside the shards, then (rank 0) the rename to ``iter_``, the latest file and the pruning."""
+    rank = dist.get_rank()
+    maybe_delay_save(iteration)
+    dist.barrier()
+    if rank == 0:
+        (partial / RUN_CONFIG).write_text(run_config_yaml)
+        import yaml
+
+        from megatron_md.training.data.tokenizer import save_tokenizer_files
+
+        # which tokenizer files to keep: the run config's data section (SentencePiece, HF, GPT-2 BPE)
+        data = (yaml.safe_load(run_config_yaml) or {}).get("data") or {}
+        if data:
+            save_tokenizer_files(data, partial)
+        elif tokenizer_model:
+            shutil.copy2(tokenizer_model, partial / "tokenizer.model")
+    write_manifest(partial)  # collective: every rank hashes a share of the files, rank 0 writes checksums.json
+    if rank == 0:
+        if final.exists():  # keep, never overwrite, what was there
+            final.rename(final.with_name(f"{final.name}.old-{int(time.time())}"))
+        partial.rename(final)
+        tmp = root / (LATEST + ".tmp")
+        tmp.write_text(f"{iteration}\n")
+        os.replace(tmp, root / LATEST)
+        if keep_last:
+            prune_checkpoints(root, keep_last)
+    dist.barrier()
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -190,33 +223,8 @@ def save_checkpoint(
         state, str(partial), sharded_strategy=save_strategy(fully_parallel), async_sharded_save=async_save,
         async_strategy=async_strategy())
 
-    def publish() -> None:  # on every rank, once every rank's shards are written
-        maybe_delay_save(iteration)
-        dist.barrier()
-        if rank == 0:
-            (partial / RUN_CONFIG).write_text(run_config_yaml)
-            import yaml
-
-            from megatron_md.training.data.tokenizer import save_tokenizer_files
-
-            # which tokenizer files to keep: the run config's data section (SentencePiece, HF, GPT-2 BPE)
-            data = (yaml.safe_load(run_config_yaml) or {}).get("data") or {}
-            if data:
-                save_tokenizer_files(data, partial)
-            elif tokenizer_model:
-                shutil.copy2(tokenizer_model, partial / "tokenizer.model")
-        write_manifest(partial)  # collective: every rank hashes a share of the files, rank 0 writes checksums.json
-        if rank == 0:
-            if final.exists():  # keep, never overwrite, what was there
-                final.rename(final.with_name(f"{final.name}.old-{int(time.time())}"))
-            partial.rename(final)
-            tmp = root / (LATEST + ".tmp")
-            tmp.write_text(f"{iteration}\n")
-            os.replace(tmp, root / LATEST)
-            if keep_last:
-                prune_checkpoints(root, keep_last)
-        dist.barrier()
-
+    publish = functools.partial(_publish, root, final, partial, iteration, run_config_yaml, tokenizer_model,
+                                keep_last)
     if request is None:
         publish()
     else:  # megatron's queue runs publish() after the background write, in finalize_saves()
