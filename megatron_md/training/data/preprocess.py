@@ -97,6 +97,53 @@ def _chunks(it: Iterable, size: int) -> Iterator[list]:
         yield c
 
 
+def _checked(input: str, output_prefix, json_keys: list[str], workers: int, tokenizer_args: dict, append_eod: bool,
+             overwrite: bool):
+    """The tokenizer, once the input, the keys, the workers and the outputs are checked (before any work)."""
+    if not Path(input).is_file():
+        raise FileNotFoundError(f"--input {input}: no such file")
+    if not json_keys:
+        raise ValueError("--json-keys: give at least one key")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    tok = build_tokenizer(**tokenizer_args)  # fail early, in this process
+    if append_eod and (tok.eod is None or tok.eod < 0):
+        raise ValueError("--append-eod: the tokenizer defines no end-of-document id")
+    existing = [f for f in output_files(output_prefix, json_keys) if os.path.exists(f)]
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"--output-prefix {output_prefix}: {', '.join(existing)} already exist; "
+            "pass --overwrite to replace them, or choose another --output-prefix"
+        )
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    return tok
+
+
+def _add_documents(encoded_chunks, builders: list, dtype, stats: "PreprocessStats", log, log_interval: float,
+                   t0: float) -> None:
+    """Each record's ids per json key into that key's builder (a record empty in every key is skipped)."""
+    n_records, last = 0, t0
+    for chunk in encoded_chunks:
+        for record in chunk:
+            n_records += 1
+            if all(len(ids) == 0 for ids in record):
+                stats.skipped_empty += 1
+                continue
+            for builder, ids in zip(builders, record):
+                if not ids:
+                    continue
+                # one sequence per document: lengths is the list of sequence lengths
+                # inside the document, i.e. [len(ids)] (not [0], which makes it empty)
+                builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
+                stats.tokens += len(ids)
+            stats.documents += 1
+        now = time.time()
+        if log and now - last >= log_interval:
+            last = now
+            log(f"processed {n_records:,} documents, {stats.tokens:,} tokens "
+                f"({stats.tokens / max(now - t0, 1e-9):,.0f} tokens/s)")
+
+
 # ----------------------------------------------------------------------- main entry
 def preprocess(
     input: str | os.PathLike,
@@ -119,31 +166,13 @@ def preprocess(
 
     The tokenizer: ``tokenizer.build_tokenizer`` of the ``tokenizer_*`` / ``vocab_*`` / ``merge_file``
     arguments (``tokenizer_type`` None: detected from the files)."""
-    input = str(input)
-    if not Path(input).is_file():
-        raise FileNotFoundError(f"--input {input}: no such file")
-    json_keys = list(json_keys)
-    if not json_keys:
-        raise ValueError("--json-keys: give at least one key")
-    if workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {workers}")
+    input, json_keys = str(input), list(json_keys)
     tokenizer_args = dict(
         tokenizer_type=tokenizer_type, vocab_size=vocab_size,
         **{k: (str(v) if v is not None else None) for k, v in
            dict(tokenizer_model=tokenizer_model, vocab_file=vocab_file, merge_file=merge_file).items()},
     )
-    tok = build_tokenizer(**tokenizer_args)  # fail early, in this process
-    if append_eod and (tok.eod is None or tok.eod < 0):
-        raise ValueError("--append-eod: the tokenizer defines no end-of-document id")
-
-    targets = output_files(output_prefix, json_keys)
-    existing = [f for f in targets if os.path.exists(f)]
-    if existing and not overwrite:
-        raise FileExistsError(
-            f"--output-prefix {output_prefix}: {', '.join(existing)} already exist; "
-            "pass --overwrite to replace them, or choose another --output-prefix"
-        )
-    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    tok = _checked(input, output_prefix, json_keys, workers, tokenizer_args, append_eod, overwrite)
 
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -153,7 +182,7 @@ def preprocess(
     builders = {p: IndexedDatasetBuilder(tmp[p][0], dtype=dtype) for p in prefixes}
 
     stats = PreprocessStats(prefixes=tuple(prefixes))
-    t0 = last = time.time()
+    t0 = time.time()
     pool = None
     try:
         chunks = _chunks(_records(input, json_keys), chunk_size)
@@ -166,26 +195,7 @@ def preprocess(
         else:
             _init_worker(tokenizer_args, append_eod)
             encoded_chunks = map(_encode_chunk, chunks)
-        n_records = 0
-        for chunk in encoded_chunks:
-            for record in chunk:
-                n_records += 1
-                if all(len(ids) == 0 for ids in record):
-                    stats.skipped_empty += 1
-                    continue
-                for p, ids in zip(prefixes, record):
-                    if not ids:
-                        continue
-                    # one sequence per document: lengths is the list of sequence lengths
-                    # inside the document, i.e. [len(ids)] (not [0], which makes it empty)
-                    builders[p].add_document(np.asarray(ids, dtype=dtype), [len(ids)])
-                    stats.tokens += len(ids)
-                stats.documents += 1
-            now = time.time()
-            if log and now - last >= log_interval:
-                last = now
-                log(f"processed {n_records:,} documents, {stats.tokens:,} tokens "
-                    f"({stats.tokens / max(now - t0, 1e-9):,.0f} tokens/s)")
+        _add_documents(encoded_chunks, [builders[p] for p in prefixes], dtype, stats, log, log_interval, t0)
         for p in prefixes:
             builders[p].finalize(tmp[p][1])
     except BaseException:
