@@ -108,21 +108,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_spec(a, extra: list[str]) -> G.SweepSpec:
-    base = ["--config", a.config] if a.config else ["--model", a.model or "tiny-dense"]
-    if getattr(a, "corpus", None):
-        given = [f for f in ("--data-path", "--tokenizer-model", "--vocab-file", "--mock-data") if any(x.split("=")[0] == f for x in extra)]
-        if given:
-            raise G.GridError(f"--corpus and {given[0]} after '--' both choose the data; keep one")
-        from megatron_md.training.data.datasets import prepare_demo_data
-
-        vocab = getattr(a, "corpus_vocab", 4096)
-        if not 64 <= vocab <= 65536:
-            raise G.GridError(f"--corpus-vocab must be in [64, 65536], got {vocab}")
-        prefix, tokenizer = prepare_demo_data(Path(a.corpus), vocab_size=vocab, log=None)
-        extra = ["--data-path", prefix, "--tokenizer-model", tokenizer, *extra]
-    optimizers = G.parse_optimizers(a.optimizers)
-    G.check_extra(extra, optimizers)
+def _check_numbers_and_modes(a) -> None:
+    """The sweep's own numbers and the flags that only make sense with some modes (GridError, before any work)."""
     for name, value in (("--steps", a.steps), ("--log-interval", a.log_interval)):
         if value is not None and value < 1:
             raise G.GridError(f"{name} must be >= 1, got {value}")
@@ -146,6 +133,24 @@ def build_spec(a, extra: list[str]) -> G.SweepSpec:
     if getattr(a, "gpus_per_cell", None) is not None and (a.gpus_per_cell < 1 or not a.slurm_grid):
         raise G.GridError(f"--gpus-per-cell {a.gpus_per_cell}: give N >= 1, together with --slurm-grid (a local "
                           "sweep's cells take -- --nproc-per-node N)")
+
+
+def build_spec(a, extra: list[str]) -> G.SweepSpec:
+    base = ["--config", a.config] if a.config else ["--model", a.model or "tiny-dense"]
+    if getattr(a, "corpus", None):
+        given = [f for f in ("--data-path", "--tokenizer-model", "--vocab-file", "--mock-data") if any(x.split("=")[0] == f for x in extra)]
+        if given:
+            raise G.GridError(f"--corpus and {given[0]} after '--' both choose the data; keep one")
+        from megatron_md.training.data.datasets import prepare_demo_data
+
+        vocab = getattr(a, "corpus_vocab", 4096)
+        if not 64 <= vocab <= 65536:
+            raise G.GridError(f"--corpus-vocab must be in [64, 65536], got {vocab}")
+        prefix, tokenizer = prepare_demo_data(Path(a.corpus), vocab_size=vocab, log=None)
+        extra = ["--data-path", prefix, "--tokenizer-model", tokenizer, *extra]
+    optimizers = G.parse_optimizers(a.optimizers)
+    G.check_extra(extra, optimizers)
+    _check_numbers_and_modes(a)
     from megatron_md.sweep import runner
     from megatron_md.training import config as C
 

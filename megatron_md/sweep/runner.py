@@ -399,21 +399,7 @@ def run_sweep(spec: SweepSpec, out: Path, *, max_cells: Optional[int] = None, re
             for fut in sorted(done, key=lambda f: pending[f][0]):
                 tag, cell = pending.pop(fut)
                 res = fut.result()  # a cell's SweepInterrupted stops the sweep here
-                if res is None:
-                    counts["busy"] += 1
-                    log(f"{tag}: skipped (another lr-sweep on this --out is running it)")
-                    continue
-                if res is ELSEWHERE:
-                    counts["skipped"] += 1
-                    log(f"{tag}: skipped (finished by another lr-sweep)")
-                    continue
-                counts["ran"] += 1
-                counts[res["status"]] += 1
-                loss = res["final_eval_loss"] if res["final_eval_loss"] is not None else res["final_train_loss"]
-                shown = f"loss {loss:.4f}" if loss is not None else "no finite loss"
-                log(f"{tag}: {res['status']} ({shown}, {res['wall_s']:.1f}s)"
-                    + (f"; see {cell_dir(out, cell) / 'cell.log'}" if res["status"] == "failed" else ""))
-                if on_result is not None:
+                if _count_result(res, tag, cell_dir(out, cell), counts, log) and on_result is not None:
                     on_result()
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -429,6 +415,25 @@ def run_sweep(spec: SweepSpec, out: Path, *, max_cells: Optional[int] = None, re
         log(f"[lr-sweep] {counts['busy']} cells were running in another lr-sweep: rerun when it is done to "
             "include them")
     return counts
+
+
+def _count_result(res, tag: str, d: Path, counts: dict, log: Callable[[str], None]) -> bool:
+    """One cell's outcome into ``counts`` and the log; True when the cell ran here (a new result)."""
+    if res is None:
+        counts["busy"] += 1
+        log(f"{tag}: skipped (another lr-sweep on this --out is running it)")
+        return False
+    if res is ELSEWHERE:
+        counts["skipped"] += 1
+        log(f"{tag}: skipped (finished by another lr-sweep)")
+        return False
+    counts["ran"] += 1
+    counts[res["status"]] += 1
+    loss = res["final_eval_loss"] if res["final_eval_loss"] is not None else res["final_train_loss"]
+    shown = f"loss {loss:.4f}" if loss is not None else "no finite loss"
+    log(f"{tag}: {res['status']} ({shown}, {res['wall_s']:.1f}s)"
+        + (f"; see {d / 'cell.log'}" if res["status"] == "failed" else ""))
+    return True
 
 
 def _main_thread() -> bool:
