@@ -240,7 +240,7 @@ class MDFamily(_EngineFamily):
         from megatron_md.mcore import md_optimizer as mdo
 
         ocfg = self._config(cfg, common)
-        mdo.register(ocfg)
+        mdo.register(cfg.optimizer.optimizer, ocfg)
         overrides = {**get_standard_config_overrides(ocfg), **mdo.md_param_overrides(ocfg)}
         return get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides), RunHooks()
 

@@ -24,7 +24,6 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
 from megatron_md.mcore import compat, naming
-from megatron_md.mcore.families import MD_OPTIMIZERS
 from megatron_md.mcore.family_configs import AdEMAMixConfig, LionConfig, MDConfig, SoapConfig
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
@@ -286,12 +285,12 @@ def routes_to_adamw(config: MDOptimizerConfig):
     return routed
 
 
-def register(config: MDOptimizerConfig | None = None) -> None:
-    """Add the MD optimizers (``MD_OPTIMIZERS``) to megatron-core's optimizer registry (idempotent)."""
+def register(name: str, config: MDOptimizerConfig | None = None) -> None:
+    """Add the MD optimizer the run builds (its ``--optimizer`` name) to megatron-core's optimizer registry
+    (idempotent). Only what is built is registered: the family that names it calls this."""
     config = config or MDOptimizerConfig()
     routed = ParamKey(predicate=ParamPredicate(name="md_adamw", fn=routes_to_adamw(config)))
-    for name in MD_OPTIMIZERS:
-        compat.register_optimizer(name, MegatronMD, _config_to_kwargs, {routed: {"optimizer": "adam"}})
+    compat.register_optimizer(name, MegatronMD, _config_to_kwargs, {routed: {"optimizer": "adam"}})
 
 
 def md_param_overrides(config: MDOptimizerConfig) -> dict:
