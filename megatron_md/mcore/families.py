@@ -31,6 +31,26 @@ class Assignment:
     gains: str = "none"
 
 
+@dataclass(frozen=True)
+class SweepRecipe:
+    """How ``megatron-md lr-sweep`` sweeps one ``--optimizer``: the swept LR's field, the default centre k of
+    ``--lrs N`` on the ladder ``1e-3 * 2^(k/2)``, the warmup (a fraction of the steps), the weight decay, and
+    settings applied where the base config leaves them unset."""
+
+    lr_field: str
+    k_center: int
+    warmup_frac: float
+    weight_decay: float
+    fixed: dict
+
+
+# The settings the baseline records were measured with (cosine decay, beta2 0.95), where the defaults are now
+# Megatron-LM's (linear decay, beta2 0.999).
+_BASELINE = {"lr_decay_style": "cosine", "adam_beta2": 0.95}
+# MD's other LRs in a sweep (the matrix LR is swept).
+_MD_FIXED = {"lr": 1e-3, "embedding_lr": 3e-3}
+
+
 class RunHooks:
     """Per-run behaviour a family adds to the trainer's loop; the default adds nothing."""
 
@@ -59,6 +79,10 @@ class OptimizerFamily:
     def recipe_for(self, geometry: str) -> dict:
         """The defaults this family applies unless set explicitly (``geometry``: the run's --geometry)."""
         return self.recipe
+
+    def sweep_recipe(self, name: str) -> SweepRecipe:
+        """How an LR sweep treats ``--optimizer name`` (sweep/grid.py's ladder and centres)."""
+        raise NotImplementedError(f"{type(self).__name__} gives no sweep recipe for {name}")
 
     def validate(self, cfg, need: Callable[[bool, str], None]) -> None:
         name = cfg.optimizer.optimizer
@@ -107,10 +131,18 @@ class AdamFamily(OptimizerFamily):
     takes_decoupled_lr = True
     default_ns_tp_mode = "duplicated"  # unused by Adam; a value megatron's OptimizerConfig knows
 
+    def sweep_recipe(self, name: str) -> SweepRecipe:
+        # measured at CPU scale (tiny-dense family, d 64-256): 3e-3..1e-2, k 5 (5.66e-3); warmup and decay as AdamW
+        return SweepRecipe("lr", 5, 0.1, 0.1, _BASELINE)
+
 
 class MuonFamily(OptimizerFamily):
     names = {"muon": "megatron-core's Muon on hidden matrices, AdamW on the rest"}
     default_ns_tp_mode = "duplicated"  # megatron Muon's TP-size-independent mode
+
+    def sweep_recipe(self, name: str) -> SweepRecipe:
+        # measured at CPU scale: ~0.02, k 9 (2.26e-2); the records' momentum 0.95 with Nesterov
+        return SweepRecipe("lr", 9, 0.1, 0.1, {**_BASELINE, "muon_momentum": 0.95, "muon_nesterov": True})
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
@@ -209,8 +241,16 @@ class MDFamily(_EngineFamily):
     recipe = {"weight_decay": 0.0, "lr_warmup_iters": 0, "lr_decay_style": "linear", "clip_grad": 1.0,
               "muon_momentum": 0.95, "muon_nesterov": True, "adam_beta2": 0.95}
 
+    # Sweep centres: muon_md measured at CPU scale (0.05-0.1, k 12); adam_md the paper's 2e-3 (k 2); the bases
+    # scaled to Muon's relative step (lion, norm) take muon_md's, the unscaled Adam-like ones (soap, ademamix)
+    # adam_md's. MD needs neither warmup nor weight decay.
+    SWEEP_K = {"muon": 12, "adam": 2, "lion": 12, "soap": 2, "ademamix": 2, "norm": 12}
+
     def base(self, cfg) -> str:
         return self.BASES[cfg.optimizer.optimizer]
+
+    def sweep_recipe(self, name: str) -> SweepRecipe:
+        return SweepRecipe("matrix_lr", self.SWEEP_K[self.BASES[name]], 0.0, 0.0, _MD_FIXED)
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
@@ -287,6 +327,10 @@ class ManifoldFamily(_EngineFamily):
     # decay, momentum 0.9 without Nesterov, beta2 0.999).
     recipe = {"lr_decay_style": "cosine", "muon_momentum": 0.95, "muon_nesterov": True, "adam_beta2": 0.95}
     sections = ("md", "lion", "soap", "ademamix", "manifold")
+
+    def sweep_recipe(self, name: str) -> SweepRecipe:
+        # the paper's 0.02 (k 9), its warmup and weight decay; the AdamW LR of the rest fixed
+        return SweepRecipe("matrix_lr", 9, 0.02, 0.1, {"lr": 6e-4})
 
     def recipe_for(self, geometry: str) -> dict:
         # --geometry md puts every matrix under MD: the run is MD's, so it takes MD's recipe (no weight decay, no

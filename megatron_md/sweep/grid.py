@@ -46,26 +46,25 @@ class Recipe:
     fixed: dict = field(default_factory=dict)  # other LRs and settings, applied when the base config leaves them unset
 
 
-# Fallback k centres, used when the base config does not set the swept LR for that optimizer (a --model
-# preset, or a YAML for another optimizer; see config_centers): adamw, muon, muon_md are optima measured at
-# CPU scale (tiny-dense family, d 64-256): adamw 3e-3..1e-2 -> k 5 (5.66e-3), muon ~0.02 -> k 9 (2.26e-2),
-# muon_md 0.05-0.1 -> k 12 (6.4e-2). adam_md (k 2, 2e-3) and manifold_muon (k 9, paper B's 0.02) are the
-# papers' values, not measured here; lion_md takes muon_md's centre (its update is scaled to the same
-# relative step), soap_md adam_md's (no scale). A GPU recipe carries its own LR (the md_paper recipes:
-# --matrix-lr 1.13e-2, k 7), which is where a sweep of it should look.
-# Warmup / weight decay as the papers: AdamW and Muon warm up and decay weights, MD needs neither.
-# The baselines' settings the records were measured with (cosine decay, beta2 0.95; Muon's momentum 0.95 with
-# Nesterov), where the defaults are now Megatron-LM's (linear decay, beta2 0.999, momentum 0.9 without Nesterov).
-_BASELINE = {"lr_decay_style": "cosine", "adam_beta2": 0.95}
-RECIPES: dict[str, Recipe] = {
-    "adamw": Recipe("adam", "lr", 5, 0.1, 0.1, _BASELINE),
-    "muon": Recipe("muon", "lr", 9, 0.1, 0.1, {**_BASELINE, "muon_momentum": 0.95, "muon_nesterov": True}),
-    "muon_md": Recipe("muon_md", "matrix_lr", 12, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
-    "adam_md": Recipe("adam_md", "matrix_lr", 2, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
-    "lion_md": Recipe("lion_md", "matrix_lr", 12, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
-    "soap_md": Recipe("soap_md", "matrix_lr", 2, 0.0, 0.0, {"lr": 1e-3, "embedding_lr": 3e-3}),
-    "manifold_muon": Recipe("manifold_muon", "matrix_lr", 9, 0.02, 0.1, {"lr": 6e-4}),
-}
+# Every --optimizer is sweepable: its family says how (mcore/families.py, sweep_recipe: the swept LR, the fallback
+# centre used when the base config does not set that LR (see config_centers), warmup, weight decay, fixed
+# settings). A GPU recipe carries its own LR (the md_paper recipes: --matrix-lr 1.13e-2, k 7), which is where a
+# sweep of it should look. The project's `adam` is AdamW (decoupled weight decay): the sweep calls it adamw.
+SWEEP_NAMES = {"adam": "adamw"}
+
+
+def _recipes() -> dict[str, Recipe]:
+    from megatron_md.mcore.families import FAMILIES
+
+    out = {}
+    for name, family in FAMILIES.items():
+        r = family.sweep_recipe(name)
+        out[SWEEP_NAMES.get(name, name)] = Recipe(name, r.lr_field, r.k_center, r.warmup_frac, r.weight_decay,
+                                                  dict(r.fixed))
+    return out
+
+
+RECIPES: dict[str, Recipe] = _recipes()
 ALIASES = {"adam": "adamw"}  # the project's `adam` is AdamW (decoupled weight decay)
 
 

@@ -373,3 +373,16 @@ def test_a_cluster_recipe_that_saves_periodically_sweeps_locally(tmp_path, capsy
     resumable = runner.local_flags(tmp_path / "o", cell, resume=True)
     assert resumable[:2] == ["--save", str(runner.cell_dir(tmp_path / "o", cell) / runner.CHECKPOINT)]
     assert runner.resolve_cell(spec, cell, more=tuple(resumable)).checkpoint.save_interval == 1000  # the recipe's
+
+
+def test_every_optimizer_is_sweepable_by_its_family_s_recipe(tmp_path, capsys):
+    """The sweep's recipes come from the optimizer families: every --optimizer choice sweeps (ademamix_md and
+    norm_md were missing from the sweep's own table), under its name (adam as adamw)."""
+    from megatron_md.mcore.families import FAMILIES
+
+    assert {"adamw" if n == "adam" else n for n in FAMILIES} == set(G.RECIPES)
+    assert command.main(["--model", "tiny-dense", "--widths", "32", "--optimizers", "ademamix_md,norm_md", "--lrs",
+                         "1", "--out", str(tmp_path / "o"), "--dry-run", "--", "--mock-data"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("--optimizer ")[1].split()[0] for line in lines] == ["ademamix_md", "norm_md"]
+    assert all("--matrix-lr" in line and "--weight-decay 0.0" in line for line in lines)
