@@ -148,6 +148,9 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/convert/test_hf_convert.py::test_import_llama_made_by_transformers": None,
     # HF MoE import: one family in the quick tier (Qwen3-MoE), the others and the other router in the full one
     "tests/convert/test_hf_import.py::test_moe_import_matches_transformers_at_tp1_and_tp2_ep2": "qwen3_moe",
+    # the walk over MD option pairs: one pair in the quick tier, the other 90 in the full one
+    "tests/mcore/test_option_combinations.py::test_option_pair_is_refused_up_front_or_reaches_its_groups":
+        "muon_md-md_sphere-md_gains",
     # Megatron-LM checkpoints: the weights load and the refusals are quick; Adam's state resumes in the full tier
     "tests/training/checkpoints/test_megatron_lm.py::test_load_continues_with_adam_state_bit_for_bit": None,
     # manifold solves: kept the QKV DGram cold step and the fast end-to-end run

@@ -181,6 +181,14 @@ class _EngineFamily(OptimizerFamily):
             need(o.md.md_gains in holds, f"--md-preserve-init keeps the initial norms in the gains, and on the "
                  f"{o.md.md_sphere} sphere that needs --md-gains {' or '.join(holds)} (got {o.md.md_gains})")
         md, p = o.md, cfg.parallel
+        # (found by the walk over option pairs: both passed here and then failed at build, on every rank)
+        need(not md.md_split_qkv_gains or md.md_gains in ("rowcol", "col"),
+             f"--md-split-qkv-gains gives each Q/K/V block its own column gains, so it needs column gains: "
+             f"--md-gains rowcol or col (got {md.md_gains})")
+        sinkhorn = md.md_sphere in ("rowcol", "invrowcol", "equi")
+        need(not md.md_tangent_grad or (md.md_sphere_kind == "l2" and not sinkhorn),
+             f"--md-tangent-grad removes the radial part on the l2 flat, row and column spheres only; --md-sphere "
+             f"{md.md_sphere} with --md-sphere-kind {md.md_sphere_kind} has no tangent projection")
         tp = max(p.tensor_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
         need(md.md_sphere_kind == "l2" or md.md_sphere == "flat",
              f"--md-sphere-kind {md.md_sphere_kind} fixes a norm of the whole matrix: it needs --md-sphere flat "
