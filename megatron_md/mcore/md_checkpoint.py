@@ -21,13 +21,15 @@ from megatron_md.mcore import compat, naming
 from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
 from megatron_md.mcore.optimizer_checkpoint import children
 from megatron_md.optim.gains import LOWRANK_AXES
-from megatron_md.optim.bases import SoapBase
+from megatron_md.optim.bases import BASES
 
 DUAL_KEYS = ("dual", "dual_q", "dual_k", "dual_v")
 # whole-matrix state kept by every TP rank alike, and its checkpoint prefix
 # low-rank gain factors are saved whole too (lowrank gains are refused on TP shards, so every TP rank holds them)
 LOWRANK_KEYS = tuple(f"{k}_{a}" for a in LOWRANK_AXES for k in ("rho", "exp_avg", "exp_avg_sq"))
-FULL_KEYS = {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in SoapBase.side_state}, **{k: "md" for k in LOWRANK_KEYS}}
+# every base's side state (state not shaped like its parameter: SOAP's Kronecker factors), as md_optimizer derives it
+SIDE_STATE = tuple(k for b in BASES.values() for k in b.side_state)
+FULL_KEYS = {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in SIDE_STATE}, **{k: "md" for k in LOWRANK_KEYS}}
 
 
 def tag_md_params(model) -> None:
