@@ -36,6 +36,9 @@ class BaseUpdate:
     writes_direction_grad = False  # True: ``direction`` may overwrite Ĝ (the caller then hands it a copy)
     has_step = False  # True: keeps its own step counter in ``state["step"]`` (bias corrections)
     side_state: tuple[str, ...] = ()  # state entries not shaped like the parameter (checkpointed separately)
+    # what the planner counts per matrix: (Adam moments, momentum-like buffers) of the matrix's shape, and
+    # whether it keeps Kronecker factors (training/planning/memory.py)
+    state_layout: tuple[int, int, bool] = (0, 0, False)
 
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError
@@ -53,6 +56,8 @@ class BaseUpdate:
 
 class MuonBase(BaseUpdate):
     """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (docs/optimizers.md §1.5)."""
+
+    state_layout = (0, 1, False)
 
     orthogonalizes = True
     writes_direction_grad = True  # Nesterov's lerp runs in Ĝ's memory
@@ -73,6 +78,8 @@ class MuonBase(BaseUpdate):
 
 class AdamBase(BaseUpdate):
     """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, docs/optimizers.md §1.5)."""
+
+    state_layout = (2, 0, False)
 
     has_step = True
 
@@ -104,6 +111,8 @@ class LionBase(BaseUpdate):
     """Lion on Ĝ (Chen et al. 2023): ``U = sign(lerp(M, Ĝ, 1-β1))``, then ``M <- lerp(M, Ĝ, 1-β2)``; each block's
     sign matrix is scaled by ``sign_scale`` of its global shape."""
 
+    state_layout = (0, 1, False)
+
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
@@ -131,6 +140,8 @@ class SoapBase(BaseUpdate):
     Whole matrices only: ``L`` and ``R`` need the full Ĝ, so tensor-parallel shards are refused by the glue.
     No scale factor (like the Adam base); ``normalize_update`` puts U on the sphere if wanted.
     """
+
+    state_layout = (2, 0, True)
 
     has_step = True
     side_state = ("soap_L", "soap_R", "soap_QL", "soap_QR")
@@ -201,6 +212,8 @@ class AdEMAMixBase(BaseUpdate):
     """AdEMAMix (Pagliardini et al. 2024) on Ĝ: Adam's moments plus a slow, not bias-corrected EMA ``m_s`` of Ĝ,
     ``U = (m̂ + α·m_s) / (sqrt(v̂) + ε)``, with the warmups of ``ademamix_schedule``; no scale factor (as Adam)."""
 
+    state_layout = (2, 1, False)
+
     has_step = True
 
     def init_state(self, p: torch.Tensor, state: dict) -> None:
@@ -231,6 +244,8 @@ class NormalizedBase(BaseUpdate):
     ``geometry.py``; never a ball) and scaled like Muon's msign, ``s(M_b, N_b) · radius_scale``. No Newton-Schulz
     (except under ``sphere_kind='orthogonal'``, whose projection is msign itself and needs whole blocks), and
     the norms run through the reducer, so it works on tensor-parallel shards with no gather."""
+
+    state_layout = (0, 1, False)
 
     writes_direction_grad = True  # Nesterov's lerp (or the momentum's copy) and the projection run in Ĝ's memory
 

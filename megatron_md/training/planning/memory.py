@@ -151,10 +151,12 @@ def inventory(cfg, lay: Layout, stage: int) -> list[Tensor]:
 # ------------------------------------------------------------------------------------------------ optimizer
 
 
-# per base update: (Adam moments, momentum-like buffers) of the matrix's shape, and whether it keeps Kronecker
-# factors. Adam, SOAP's inner Adam; AdEMAMix adds its slow EMA; Muon, Lion and the normalised base one buffer.
-BASE_STATE = {"adam": (2, 0, False), "soap": (2, 0, True), "ademamix": (2, 1, False), "muon": (0, 1, False),
-              "lion": (0, 1, False), "norm": (0, 1, False)}
+def base_state(kind: str) -> tuple[int, int, bool]:
+    """(Adam moments, momentum-like buffers of the matrix's shape, Kronecker factors?) of a base update, as the
+    base declares it (``optim/bases.py``: a new base is counted without an entry here)."""
+    from megatron_md.optim.bases import BASES
+
+    return BASES[kind].state_layout
 
 
 def _gain_elems(shape: tuple, gains: str, rank: int = 4) -> int:
@@ -172,7 +174,7 @@ def optimizer_state(cfg, tensors: list[Tensor]) -> dict[str, int]:
     family = family_of(cfg)
 
     def base(kind, n, tn: Tensor | None = None):
-        moments, momenta, kronecker = BASE_STATE[kind]
+        moments, momenta, kronecker = base_state(kind)
         kinds["adam_moments"] += moments * FP32 * n
         kinds["muon_momentum"] += momenta * FP32 * n
         if kronecker:  # SOAP: the Kronecker factors L, R and their eigenbases Q_L, Q_R
