@@ -262,9 +262,8 @@ class MDFamily(_EngineFamily):
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
-        if cfg.optimizer.optimizer == "muon_md":
-            self._tp_mode_check(cfg, need)
-        if cfg.optimizer.optimizer == "soap_md":
+        self._tp_mode_check(cfg, need)  # every MD optimizer builds the engine's NS settings, not muon_md alone
+        if self.base(cfg) == "soap":
             p = cfg.parallel
             tp, etp = p.tensor_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
             need(tp == 1 and etp == 1, "soap_md keeps Kronecker factors of whole matrices, so it does not run on "

@@ -73,6 +73,9 @@ MOCK = ["--mock-data", "--wandb-mode", "disabled"]
          "--geometry auto:hetero switches modules on thresholds"),
         (["--model", "tiny-dense", "--optimizer", "manifold_muon", "--geometry", "auto:hetero-md",
           "--geometry-auto-sigma-max", "2"], "--geometry auto:hetero-md: no module could switch"),
+        # every MD optimizer builds the engine's Newton-Schulz settings: megatron Muon's TP modes refused up front
+        (["--model", "tiny-dense", "--optimizer", "adam_md", "--muon-tp-mode", "blockwise"],
+         "--muon-tp-mode blockwise is megatron Muon's; adam_md orthogonalises whole matrices"),
     ],
 )
 def test_invalid_layouts_and_batches(capsys, args, needle):
