@@ -443,6 +443,14 @@ COMMANDS = {"train": cmd_train, "params": cmd_params, "plan": cmd_plan, "score":
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--plugin" or a.startswith("--plugin=") or a == "--config" or a.startswith("--config=") for a in argv):
+        from megatron_md.plugins import PluginError, load_plugins, plugin_names
+
+        try:  # before any flag is read: what they register is an --optimizer choice everywhere
+            load_plugins(plugin_names(argv))
+        except PluginError as e:
+            print(f"megatron-md: error: {e}", file=sys.stderr)
+            return 2
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: megatron-md {train,params,plan,score,generate,eval,convert,lr-sweep,demo,recipes} "
               "[options]   (megatron-md CMD --help)")

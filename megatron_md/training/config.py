@@ -22,7 +22,6 @@ from megatron_md.mcore.families import FAMILIES, descriptions
 from megatron_md.mcore.family_configs import SECTIONS as OPTIMIZER_SECTIONS
 from megatron_md.training.model_config import ModelConfig, derive_sizes  # noqa: F401 (re-exported)
 
-OPTIMIZER_DESCRIPTIONS = descriptions()
 
 
 def range_errors(cfg) -> list[str]:
@@ -63,9 +62,9 @@ class ParallelConfig:
 class SharedOptimConfig:
     """Settings every optimizer shares (the LR schedule, clipping, the AdamW of 1-D parameters)."""
 
-    optimizer: str = opt(
-        "adam", "Optimizer: " + "; ".join(f"{n}: {d}" for n, d in OPTIMIZER_DESCRIPTIONS.items()) + ".",
-        list(OPTIMIZER_DESCRIPTIONS),
+    optimizer: str = opt(  # choices and help read the registry when the flags are made: --plugin ones included
+        "adam", lambda: "Optimizer: " + "; ".join(f"{n}: {d}" for n, d in descriptions().items()) + ".",
+        FAMILIES.keys(),
     )
     lr: float = opt(3e-4, "Peak learning rate (1-D params and LM head; all params for adam/muon).", valid=">0")
     min_lr: float = opt(0.0, "Final learning rate.", valid=">=0")
@@ -109,6 +108,9 @@ OptimConfig.__module__ = __name__
 
 @dataclass
 class TrainingConfig:
+    plugin: Optional[list[str]] = opt(
+        None, "Python modules imported before any other flag is read, e.g. an optimizer of your own that registers "
+        "itself (megatron_md/plugins.py); each launched rank imports them too.", nargs="+")
     micro_batch_size: int = opt(1, "Sequences per micro-batch per data-parallel rank.", valid=">=1")
     global_batch_size: Optional[int] = opt(None, "Sequences per step (default: micro x DP).", valid=">=1")
     train_iters: int = opt(100, "Optimizer steps (0 with --save writes a seed checkpoint).", valid=">=0")
@@ -429,6 +431,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             base = _base_type(f.type)
             default = f.default
             help_text = f.metadata.get("help", "")
+            help_text = help_text() if callable(help_text) else help_text  # e.g. --optimizer's, plugins included
             if default not in (None, dataclasses.MISSING):
                 help_text += f" [default: {default}]"
             if base is bool and f.name.startswith("no_"):
