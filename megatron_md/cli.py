@@ -254,6 +254,13 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
+def _inference_flags(p: argparse.ArgumentParser) -> None:
+    """The flags score, generate and eval share: where the model runs, and the checkpoint's checksum check."""
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="Load without checking the files against the checkpoint's checksums.json.")
+
+
 def cmd_score(argv: list[str]) -> int:
     quiet_megatron()
     p = argparse.ArgumentParser(
@@ -267,11 +274,7 @@ def cmd_score(argv: list[str]) -> int:
         "--validation", action="store_true",
         help="Score the run's validation batches (reproduces the trainer's final eval loss).",
     )
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    p.add_argument(
-        "--no-verify-checkpoint", action="store_true",
-        help="Load without checking the files against the checkpoint's checksums.json.",
-    )
+    _inference_flags(p)
     a = p.parse_args(argv)
     from megatron_md.training.evaluation.score import score_main
 
@@ -294,11 +297,7 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=1234, help="Sampling seed.")
     p.add_argument("--ignore-eos", action="store_true", help="Keep going past the end-of-document token.")
     p.add_argument("--ids", action="store_true", help="Print the new token ids instead of text.")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    p.add_argument(
-        "--no-verify-checkpoint", action="store_true",
-        help="Load without checking the files against the checkpoint's checksums.json.",
-    )
+    _inference_flags(p)
     a = p.parse_args(argv)
     from megatron_md.training.evaluation.generate import generate_main
 
@@ -330,11 +329,7 @@ def cmd_eval(argv: list[str]) -> int:
                    help="Also write every request and the model's answers beside the results "
                         "(<output stem>_samples_<task>.jsonl).")
     p.add_argument("--seed", type=int, default=1234, help="Seed of lm-eval's few-shot sampling and RNGs.")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    p.add_argument(
-        "--no-verify-checkpoint", action="store_true",
-        help="Load without checking the files against the checkpoint's checksums.json.",
-    )
+    _inference_flags(p)
     a = p.parse_args(argv)
     try:
         from megatron_md.training.evaluation.lm_eval import eval_main

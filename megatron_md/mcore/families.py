@@ -73,6 +73,8 @@ class OptimizerFamily:
     keeps_weights_on_manifolds = False  # the optimizer moves weights at build/load: sync them to the model
     holds_md_groups = False  # may hold MD groups (the --md-* options apply)
     takes_decoupled_lr = False  # megatron-core's --decoupled-lr reaches its param groups
+    # the Megatron-LM --optimizer whose saved state this family's optimizer loads (None: none is read)
+    reads_megatron_lm_state: Optional[str] = None
     default_ns_tp_mode = "layer_sharded"
     recipe: dict = {}
 
@@ -129,6 +131,7 @@ class AdamFamily(OptimizerFamily):
     names = {"adam": "megatron-core's AdamW on every parameter (byte-sharded under --use-distributed-optimizer)"}
     steps_matrices = False
     takes_decoupled_lr = True
+    reads_megatron_lm_state = "adam"  # megatron-core's Adam on both sides: the same sharded state
     default_ns_tp_mode = "duplicated"  # unused by Adam; a value megatron's OptimizerConfig knows
 
     def sweep_recipe(self, name: str) -> SweepRecipe:
@@ -175,9 +178,9 @@ class _EngineFamily(OptimizerFamily):
              f"--muon-extra-scale-factor is megatron Muon's; {name} has no extra update scale (its LR sets "
              "the step: --matrix-lr)")
         if o.md.md_preserve_init:
-            sphere = "row" if o.md.md_sphere == "embed" else o.md.md_sphere
-            holds = {"flat": ("rowcol", "row", "col", "flat", "embed"), "row": ("rowcol", "row", "embed"),
-                     "col": ("rowcol", "col")}.get(sphere, ("rowcol",))  # Sinkhorn spheres: both axes
+            from megatron_md.mcore.family_configs import gains_holding_norms
+
+            holds = gains_holding_norms(o.md.md_sphere)
             need(o.md.md_gains in holds, f"--md-preserve-init keeps the initial norms in the gains, and on the "
                  f"{o.md.md_sphere} sphere that needs --md-gains {' or '.join(holds)} (got {o.md.md_gains})")
         md, p = o.md, cfg.parallel

@@ -14,6 +14,14 @@ from typing import Optional
 from megatron_md.fields import opt
 
 
+
+def gains_holding_norms(sphere: str) -> tuple[str, ...]:
+    """The --md-gains that can hold a matrix's norms on ``sphere`` (``embed`` read as row), as --md-preserve-init
+    and a weights-only load need: one factor per row, per column or per matrix; Sinkhorn spheres need both."""
+    sphere = "row" if sphere == "embed" else sphere
+    return {"flat": ("rowcol", "row", "col", "flat", "embed"), "row": ("rowcol", "row", "embed"),
+            "col": ("rowcol", "col")}.get(sphere, ("rowcol",))
+
 @dataclass
 class MuonConfig:
     """Muon's momentum and Newton-Schulz settings: megatron's Muon, MD's Muon base and Manifold Muon."""

@@ -24,7 +24,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
 from megatron_md.mcore import compat, naming
-from megatron_md.mcore.family_configs import AdEMAMixConfig, LionConfig, MDConfig, SoapConfig
+from megatron_md.mcore.family_configs import AdEMAMixConfig, LionConfig, MDConfig, SoapConfig, gains_holding_norms
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
 from megatron_md.optim.gains import GAIN_AXES, LOWRANK_AXES
@@ -356,11 +356,9 @@ def _is_out_proj(p: torch.Tensor) -> bool:
 
 def _can_recover(hp: MDHyperParams) -> bool:
     """Whether the group's gains can hold a loaded matrix's norms (``preserve_init``'s conditions)."""
-    if hp.gains in ("none", "lowrank") or hp.sphere_kind == "orthogonal":
+    if hp.sphere_kind == "orthogonal":
         return False
-    mode = hp.sphere_mode
-    return hp.gains in {"flat": ("rowcol", "row", "col", "flat"), "row": ("rowcol", "row"),
-                        "col": ("rowcol", "col")}.get(mode, ("rowcol",))
+    return hp.gains_mode in gains_holding_norms(hp.sphere_mode)
 
 
 def relative_change(before: torch.Tensor, after: torch.Tensor) -> float:

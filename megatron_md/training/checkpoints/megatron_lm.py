@@ -274,13 +274,13 @@ def _check_optimizer(root, args, common, cfg, optimizer) -> None:
     theirs = saved_arg(args, "optimizer", "adam")
     from megatron.core.optimizer import DistributedOptimizer
 
-    from megatron_md.mcore.md_checkpoint import has_md
+    from megatron_md.mcore.families import family_of
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     ours_dist = all(isinstance(o, DistributedOptimizer) for o in inner)
     problems = []
     ours = cfg.optimizer.optimizer
-    if theirs != "adam" or ours != "adam" or has_md(optimizer):
+    if family_of(cfg).reads_megatron_lm_state != theirs:
         problems.append(f"--optimizer: checkpoint {theirs}, this run {ours} (only Adam's state is read from a "
                         "Megatron-LM checkpoint)")
     if bool(saved_arg(args, "use_distributed_optimizer", False)) != ours_dist:
