@@ -150,6 +150,7 @@ FULL_ONLY: dict[str, str | None] = {
     "tests/convert/test_hf_import.py::test_moe_import_matches_transformers_at_tp1_and_tp2_ep2": "qwen3_moe",
     # a plugin base: its choices everywhere in the quick tier; its DP2 bf16 resume (three torchrun runs) in the full one
     "tests/test_plugins.py::test_a_plugin_base_trains_and_resumes_bit_for_bit": None,
+    "tests/test_plugins.py::test_a_plugin_base_trains_at_tp2_as_at_tp1": None,
     # the walk over MD option pairs: one pair in the quick tier, the other 90 in the full one
     "tests/mcore/test_option_combinations.py::test_option_pair_is_refused_up_front_or_reaches_its_groups":
         "muon_md-md_sphere-md_gains",

@@ -176,3 +176,19 @@ class OpCounter:
 
         return _Mode()
 
+
+
+# muon_md flags of the layout comparisons (tests/mcore/test_md_layouts.py, tests/test_plugins.py)
+MD_LAYOUT_FLAGS = [
+    "--optimizer", "muon_md", "--matrix-lr", "0.05", "--lr", "0.01", "--embedding-lr", "0.01",
+    "--gains-lr", "0.01", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
+    "--global-batch-size", "4", "--log-interval", "1", "--eval-iters", "1", *QUIET,
+]
+
+
+def md_seed(model: str, *extra: str) -> Path:
+    """The layout comparisons' seed checkpoint: muon_md's initial weights (on their spheres) written at world 1,
+    so every layout starts from the same weights; made once per pytest run, read-only."""
+    out = shared_run(["train", "--model", model, *MD_LAYOUT_FLAGS, *extra, "--train-iters", "0", "--save",
+                      "{out}/seed", "--run-dir", "{out}/run"], name=f"md-seed-{model}")
+    return out / "seed"

@@ -1,5 +1,6 @@
 """--plugin: an optimizer variant in the user's own file (a sign-of-momentum MD base, written here) trains, plans,
-sweeps and resumes bit for bit under the distributed optimizer in bf16 at DP2, without a change to the package."""
+sweeps and resumes bit for bit under the distributed optimizer in bf16 at DP2, trains at TP2 as at TP1 and takes
+the batched step, without a change to the package."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 
 import pytest
 
-from mdtest import QUIET, run_cli, train_records
+from mdtest import QUIET, md_seed, run_cli, train_records
 
 PLUGIN = '''
 import torch
@@ -21,6 +22,7 @@ class SignBase(BaseUpdate):
     """The sign of an EMA momentum of the direction gradient, scaled like Lion's."""
 
     state_layout = (0, 1, False)
+    stacks = True  # elementwise and per block: the batched engine may run it on stacks of same-shape matrices
 
     def init_state(self, p, state):
         state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
@@ -81,3 +83,57 @@ def test_a_plugin_is_an_optimizer_choice_everywhere(tmp_path, plugin_env):
     unknown = run_cli(["train", "--optimizer", "sign_md", "--model", "tiny-dense", "--mock-data"], via="cli",
                       check=False)  # without the plugin the name is unknown, said by argparse
     assert unknown.returncode == 2 and "invalid choice: 'sign_md'" in unknown.stderr
+
+
+@pytest.mark.multirank
+def test_a_plugin_base_trains_at_tp2_as_at_tp1(tmp_path, plugin_env):
+    """From the layout tests' seed (same weights at every layout), the plugin's losses at TP2 equal TP1's to
+    rel 1e-5: its blocks' global shapes and the sphere's sums reach it through the package's TP glue."""
+    seed = md_seed("tiny-dense")
+    base = ["train", "--plugin", "sign_plugin", "--optimizer", "sign_md", "--model", "tiny-dense", "--mock-data",
+            "--pretrained-checkpoint", str(seed), "--seq-length", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "3", "--log-interval", "1", "--eval-iters", "0",
+            "--matrix-lr", "0.02", *QUIET]
+
+    def losses(name, *extra):
+        run_cli([*base, *extra, "--run-dir", str(tmp_path / name)], via="cli", env=plugin_env)
+        return [r["lm_loss"] for r in train_records(tmp_path / name)]
+
+    tp1 = losses("tp1")
+    tp2 = losses("tp2", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2")
+    assert len(tp1) == 3 and tp1[-1] < tp1[0]
+    assert tp2 == pytest.approx(tp1, rel=1e-5)
+
+
+def test_a_plugin_base_takes_the_batched_step(monkeypatch):
+    """``stacks = True`` is all the plugin says: the engine stacks its same-shape matrices and calls its own update,
+    equal to its per-matrix step (to fp32 rounding)."""
+    import torch
+
+    import megatron_md.plugins
+    from megatron_md.optim.muon_md import MDOptimizer, md_options
+
+    registered = {}
+    monkeypatch.setattr(megatron_md.plugins, "register_md_base", lambda name, base, _: registered.update({name: base}))
+    exec(PLUGIN, {})  # the plugin's class, without touching the process's registries
+    base = registered["sign_md"]
+
+    def run(per_matrix):
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(32, 16, generator=gen)) for _ in range(3)]
+        ps.append(torch.nn.Parameter(torch.randn(48, 16, generator=gen)))
+        ps[-1].qkv_split_shapes = (16, 16, 16)  # a fused QKV matrix: the blocks' helpers on a stack
+        opt = MDOptimizer(ps, dict(lr=0.02, gains_lr=0.05, **md_options({})), base())
+        opt.per_matrix = per_matrix
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return ps, opt
+
+    out, opt = run(False)
+    ref, ref_opt = run(True)
+    assert opt._slabs and not ref_opt._slabs
+    for p, q in zip(out, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])

@@ -15,7 +15,14 @@ from typing import Sequence
 
 import torch
 
-from .adam import adam_direction, adam_moments_and_denominator, adam_step_size
+from .adam import (
+    COMPILE_MIN_ELEMENTS,
+    adam_denominator,
+    adam_direction,
+    adam_moments_,
+    adam_moments_and_denominator,
+    adam_step_size,
+)
 from .blocks import Block, add_block_, get_block
 from .geometry import project_direction_
 from .md import MDHyperParams
@@ -30,6 +37,13 @@ class BaseUpdate:
     the direction goes through msign elsewhere (an engine may batch it across matrices and ranks), then
     ``descend_`` subtracts ``lr·U`` from Ŵ (``reducer``: sums over the matrix's axes, for a base that needs
     norms of a tensor-parallel shard).
+
+    ``stacks = True`` lets the batched engine (``md_batched.py``) run the base on a stack ``[k, m, n]`` of
+    same-shape matrices: it calls ``direction_stacked`` / ``descend_stacked_`` with ``state`` holding the stacked
+    state (one tensor per key, ``[k, ...]``), the blocks' helpers of ``blocks.py`` take stacks as they are. By
+    default those call ``direction`` / ``descend_``, which is right for a base whose arithmetic is elementwise or
+    per block; a base with a step counter (``has_step``) overrides them: the engine advances the counter and
+    passes its value as ``step`` (a host number: no device read in the step).
     """
 
     orthogonalizes = False
@@ -53,11 +67,23 @@ class BaseUpdate:
                  reducer: Reducer = LOCAL_REDUCER) -> None:
         raise NotImplementedError
 
+    stacks = False
+
+    def direction_stacked(self, g_hat: torch.Tensor, state: dict, hp: MDHyperParams,
+                          scratch: torch.Tensor | None, step: int | float | None) -> torch.Tensor:
+        return self.direction(g_hat, state, hp, scratch)
+
+    def descend_stacked_(self, W_hat: torch.Tensor, direction: torch.Tensor, state: dict, hp: MDHyperParams,
+                         blocks: Sequence[Block], orthogonalized: Sequence[torch.Tensor] | None,
+                         step: int | float | None, reducer: Reducer = LOCAL_REDUCER) -> None:
+        self.descend_(W_hat, direction, state, hp, blocks, orthogonalized, reducer)
+
 
 class MuonBase(BaseUpdate):
     """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (docs/optimizers.md §1.5)."""
 
     state_layout = (0, 1, False)
+    stacks = True
 
     orthogonalizes = True
     writes_direction_grad = True  # Nesterov's lerp runs in Ĝ's memory
@@ -80,6 +106,7 @@ class AdamBase(BaseUpdate):
     """Bias-corrected Adam on Ĝ, no scale factor (MD-Adam, docs/optimizers.md §1.5)."""
 
     state_layout = (2, 0, False)
+    stacks = True
 
     has_step = True
 
@@ -97,8 +124,18 @@ class AdamBase(BaseUpdate):
                                             hp.betas, hp.eps, out=scratch)
 
     def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=LOCAL_REDUCER) -> None:
-        W_hat.addcdiv_(state["exp_avg"], direction,
-                       value=-hp.lr * adam_step_size(state["step"].item(), hp.betas) * hp.radius_scale)
+        self.descend_stacked_(W_hat, direction, state, hp, blocks, orthogonalized, state["step"].item())
+
+    def direction_stacked(self, g_hat, state, hp, scratch, step):
+        if g_hat[0].numel() >= COMPILE_MIN_ELEMENTS and g_hat.shape[0] == 1:  # the per-matrix kernel's choice
+            return adam_moments_and_denominator(g_hat[0], state["exp_avg"][0], state["exp_avg_sq"][0], step,
+                                                hp.betas, hp.eps, out=None if scratch is None else scratch[0]
+                                                ).unsqueeze(0)
+        adam_moments_(g_hat, state["exp_avg"], state["exp_avg_sq"], *hp.betas)
+        return adam_denominator(state["exp_avg_sq"], step, hp.betas[1], hp.eps, out=scratch)
+
+    def descend_stacked_(self, W_hat, direction, state, hp, blocks, orthogonalized, step, reducer=LOCAL_REDUCER):
+        W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(step, hp.betas) * hp.radius_scale)
 
 
 def sign_scale(block_shape: tuple[int, int]) -> float:
@@ -112,6 +149,7 @@ class LionBase(BaseUpdate):
     sign matrix is scaled by ``sign_scale`` of its global shape."""
 
     state_layout = (0, 1, False)
+    stacks = True
 
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)

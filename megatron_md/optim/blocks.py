@@ -76,9 +76,10 @@ def matrix_blocks(
 
 
 def block_view(t: torch.Tensor, blk: Block) -> torch.Tensor:
-    """The block as a ``[groups, count, n]`` strided view of ``t`` (a grouped block only)."""
+    """The block as a ``[..., groups, count, n]`` strided view of ``t`` (a grouped block only; ``t`` may be a
+    stack ``[k, m, n]`` of matrices)."""
     per, off, cnt = blk.grouped
-    return t.view(t.shape[0] // per, per, *t.shape[1:])[:, off:off + cnt]
+    return t.view(*t.shape[:-2], t.shape[-2] // per, per, t.shape[-1])[..., off:off + cnt, :]
 
 
 def head_dim_of(blocks: Sequence[Block]) -> int | None:
@@ -92,19 +93,23 @@ def heads_view(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.view(-1, head_dim, *t.shape[1:])
 
 
+# The block helpers take a matrix [m, n] or a stack [k, m, n] of same-layout matrices (the batched engine's):
+# rows are always the second-to-last axis.
+
+
 def get_block(t: torch.Tensor, blk: Block) -> torch.Tensor:
     if blk.span is not None:
-        return t[blk.span[0]:blk.span[1]]
+        return t[..., blk.span[0]:blk.span[1], :]
     if blk.rows is None:
         return t
     if blk.grouped is not None:
-        return block_view(t, blk).reshape(-1, *t.shape[1:])
-    return t.index_select(0, blk.rows)
+        return block_view(t, blk).reshape(*t.shape[:-2], -1, t.shape[-1])
+    return t.index_select(-2, blk.rows)
 
 
 def set_block_(t: torch.Tensor, blk: Block, value: torch.Tensor) -> None:
     if blk.span is not None:
-        view = t[blk.span[0]:blk.span[1]]
+        view = t[..., blk.span[0]:blk.span[1], :]
         if value.data_ptr() != view.data_ptr():
             view.copy_(value)
     elif blk.rows is None:
@@ -115,17 +120,17 @@ def set_block_(t: torch.Tensor, blk: Block, value: torch.Tensor) -> None:
         if value.data_ptr() != view.data_ptr():  # a one-group block is a view of t already
             view.copy_(value.view(view.shape))
     else:
-        t.index_copy_(0, blk.rows, value)
+        t.index_copy_(-2, blk.rows, value)
 
 
 def add_block_(t: torch.Tensor, blk: Block, value: torch.Tensor, alpha: float) -> None:
     """``t[block] += alpha · value`` in place."""
     if blk.span is not None:
-        t[blk.span[0]:blk.span[1]].add_(value, alpha=alpha)
+        t[..., blk.span[0]:blk.span[1], :].add_(value, alpha=alpha)
     elif blk.rows is None:
         t.add_(value, alpha=alpha)
     elif blk.grouped is not None:
         view = block_view(t, blk)
         view.add_(value.view(view.shape), alpha=alpha)
     else:
-        t.index_add_(0, blk.rows, value, alpha=alpha)
+        t.index_add_(-2, blk.rows, value, alpha=alpha)

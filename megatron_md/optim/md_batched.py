@@ -6,7 +6,8 @@ The per-matrix path in ``md.py`` stays the reference; this one computes the same
 stacked tensors (equal to fp32 rounding: a reduction over a stacked axis may round differently). It covers the
 configurations users train with — flat / row / column sphere (l2, no ball, whole matrix or Megatron's fused Q/K/V
 blocks), row / column / row+column / flat gains or none under any parametrisation, and the Muon, Adam and Lion
-bases; anything else (Sinkhorn, spectral and orthogonal spheres, per-head blocks, low-rank or per-block gains, the
+bases (every base that says it ``stacks``: the engine calls the base's own stacked update, ``bases.BaseUpdate``);
+anything else (Sinkhorn, spectral and orthogonal spheres, per-head blocks, low-rank or per-block gains, the
 tangent gradient, the normalised update, SOAP, AdEMAMix, normalised momentum) takes the per-matrix path.
 
 The matrices' optimizer state lives in one stacked tensor per key (a ``Slab``); ``state[p][key]`` is a view of
@@ -22,29 +23,20 @@ from typing import Sequence
 
 import torch
 
-from .adam import (
-    COMPILE_MIN_ELEMENTS,
-    adam_denominator,
-    adam_foreach_,
-    adam_moments_,
-    adam_moments_and_denominator,
-    adam_step_size,
-)
-from .bases import AdamBase, BaseUpdate, LionBase, MuonBase, sign_scale
-from .blocks import Block
+from .adam import adam_foreach_
+from .bases import BaseUpdate
+from .blocks import Block, block_view
 from .gains import DIRECTION_CLAMP, gain_param, rho_floor
 from .md import MDHyperParams
-from .msign import scale_factor
 from .sphere import _NORM_FLOOR, Reducer, flat_radius
 
-BATCHED_BASES = (MuonBase, AdamBase, LionBase)
 COUNTERS = ("gain_step", "step")  # 0-dim step counters: mirrored on the host, read back only on a rebuild
 
 
 def batchable(state: dict, hp: MDHyperParams, base: BaseUpdate, blocks: Sequence[Block],
               sphere_blocks: Sequence[Block]) -> bool:
     """True when the batched path computes this matrix's step (else ``md.py``'s per-matrix one)."""
-    if type(base) not in BATCHED_BASES or hp.tangent_grad or hp.normalize_update or hp.split_qkv_gains:
+    if not base.stacks or hp.tangent_grad or hp.normalize_update or hp.split_qkv_gains:
         return False
     if hp.gains_mode not in ("rowcol", "row", "col", "flat", "none") or "rho_lowrank_a" in state:
         return False
@@ -124,25 +116,7 @@ class Slab:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Stacked blocks: Megatron's fused Q/K/V rows as strided views of [k, m, n]
-
-
-def _grouped(t: torch.Tensor, blk: Block) -> torch.Tensor:
-    per, off, cnt = blk.grouped
-    return t.view(t.shape[0], t.shape[1] // per, per, *t.shape[2:])[:, :, off:off + cnt]
-
-
-def stacked_block(t: torch.Tensor, blk: Block) -> torch.Tensor:
-    """The block of every matrix of the stack, ``[k, rows, n]`` (a copy for a Q/K/V block)."""
-    return t if blk.rows is None else _grouped(t, blk).reshape(t.shape[0], -1, t.shape[-1])
-
-
-def add_stacked_block_(t: torch.Tensor, blk: Block, value: torch.Tensor, alpha: float) -> None:
-    if blk.rows is None:
-        t.add_(value, alpha=alpha)
-    else:
-        view = _grouped(t, blk)
-        view.add_(value.view(view.shape), alpha=alpha)
+# The sphere's factor of a stack
 
 
 def sphere_scale_stacked(W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer,
@@ -161,8 +135,8 @@ def sphere_scale_stacked(W: torch.Tensor, blocks: Sequence[Block], mode: str, re
         return (radius_scale * flat_radius(blocks[0].shape)) / sq.sqrt().clamp_min(_NORM_FLOOR)
     out = torch.empty_like(rows_sq)
     for blk in blocks:
-        sq = reducer.complete(_grouped(rows_sq, blk).sum(dim=(1, 2, 3)), "all")
-        view = _grouped(out, blk)
+        sq = reducer.complete(block_view(rows_sq, blk).sum(dim=(1, 2, 3)), "all")
+        view = block_view(out, blk)
         factor = (radius_scale * flat_radius(blk.shape)) / sq.sqrt().clamp_min(_NORM_FLOOR)
         view.copy_(factor.view(-1, 1, 1, 1).expand(view.shape))
     return out
@@ -247,23 +221,8 @@ def _stacked(tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
 def _direction(G_hat: torch.Tensor, slab: Slab, hp: MDHyperParams, base: BaseUpdate,
                scratch: torch.Tensor | None) -> torch.Tensor:
-    d = slab.data
-    if isinstance(base, MuonBase):
-        buf = d["momentum_buffer"]
-        buf.lerp_(G_hat, 1.0 - hp.momentum)
-        return G_hat.lerp_(buf, hp.momentum) if hp.nesterov else buf
-    if isinstance(base, LionBase):
-        b1, b2 = hp.lion_betas
-        free = scratch is not None and scratch.data_ptr() != G_hat.data_ptr()
-        u = torch.lerp(d["exp_avg"], G_hat, 1.0 - b1, out=scratch) if free else torch.lerp(d["exp_avg"], G_hat, 1.0 - b1)
-        d["exp_avg"].lerp_(G_hat, 1.0 - b2)
-        return u.sign_()
-    t = slab.advance("step")  # Adam
-    if G_hat[0].numel() >= COMPILE_MIN_ELEMENTS and G_hat.shape[0] == 1:  # the per-matrix kernel's choice
-        return adam_moments_and_denominator(G_hat[0], d["exp_avg"][0], d["exp_avg_sq"][0], t, hp.betas, hp.eps,
-                                            out=None if scratch is None else scratch[0]).unsqueeze(0)
-    adam_moments_(G_hat, d["exp_avg"], d["exp_avg_sq"], *hp.betas)
-    return adam_denominator(d["exp_avg_sq"], t, hp.betas[1], hp.eps, out=scratch)
+    step = slab.advance("step") if base.has_step else None
+    return base.direction_stacked(G_hat, slab.data, hp, scratch, step)
 
 
 @torch.no_grad()
@@ -280,16 +239,8 @@ def descend_(prep: BatchedPrepared, slab: Slab, hp: MDHyperParams, base: BaseUpd
             W_hat.div_(g.clamp_min(DIRECTION_CLAMP) if not hp.gains_no_clamp else g)
     if hp.weight_decay:
         W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
-    if isinstance(base, MuonBase):
-        for blk, O in zip(prep.blocks, orthogonalized):
-            add_stacked_block_(W_hat, blk, O, -hp.lr * scale_factor(*blk.shape, hp.scale_mode) * hp.radius_scale)
-    elif isinstance(base, LionBase):
-        for blk in prep.blocks:
-            add_stacked_block_(W_hat, blk, stacked_block(prep.direction, blk),
-                               -hp.lr * sign_scale(blk.shape) * hp.radius_scale)
-    else:  # Adam: the step counter was advanced in prepare
-        W_hat.addcdiv_(slab.data["exp_avg"], prep.direction,
-                       value=-hp.lr * adam_step_size(slab.steps["step"][0], hp.betas) * hp.radius_scale)
+    step = slab.steps["step"][0] if base.has_step else None  # advanced in prepare
+    base.descend_stacked_(W_hat, prep.direction, slab.data, hp, prep.blocks, orthogonalized, step, reducer)
     prep.scale = sphere_scale_stacked(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from .bases import AdamBase, AdEMAMixBase, BaseUpdate, LionBase, MuonBase, NormalizedBase, SoapBase
-from .blocks import Block
+from .blocks import Block, get_block
 from .geometry import project_direction_
 from . import md_batched
 from .md import (
@@ -186,7 +186,7 @@ class MDOptimizer(torch.optim.Optimizer):
         requests = [(p, hp, prep.blocks_to_orthogonalize()) for p, hp, _, _, prep in waiting]
         for params, _, hp, base, _, prep in stacks:
             if base.orthogonalizes:
-                parts = [md_batched.stacked_block(prep.direction, b) for b in prep.blocks]
+                parts = [get_block(prep.direction, b) for b in prep.blocks]
                 requests += [(p, hp, [(part[i], b.shape) for part, b in zip(parts, prep.blocks)])
                              for i, p in enumerate(params)]
         with self.phase("md-orthogonalize"):

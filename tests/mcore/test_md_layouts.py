@@ -13,23 +13,16 @@ import shutil
 
 import pytest
 
-from mdtest import QUIET, run_cli, shared_run, train_records
+from mdtest import MD_LAYOUT_FLAGS, md_seed, run_cli, train_records
 
 pytestmark = pytest.mark.multirank
 PER_MATRIX = "--md-per-matrix-step"
 
-MD = [
-    "--optimizer", "muon_md", "--matrix-lr", "0.05", "--lr", "0.01", "--embedding-lr", "0.01",
-    "--gains-lr", "0.01", "--mock-data", "--seq-length", "32", "--micro-batch-size", "2",
-    "--global-batch-size", "4", "--log-interval", "1", "--eval-iters", "1", *QUIET,
-]
+MD = MD_LAYOUT_FLAGS
 
 
 def _seed(tmp_path, model, *extra):
-    """The seed checkpoint (muon_md's initial weights, on their spheres): made once per pytest run, read-only."""
-    out = shared_run(["train", "--model", model, *MD, *extra, "--train-iters", "0", "--save", "{out}/seed",
-                      "--run-dir", "{out}/run"], name=f"md-seed-{model}")
-    return out / "seed"
+    return md_seed(model, *extra)
 
 
 def _losses(tmp_path, name, nproc, *args):
