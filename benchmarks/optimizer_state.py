@@ -98,7 +98,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_md.mcore.md_checkpoint import md_state_bytes
+    from megatron_md.mcore.md_locate import md_state_bytes
     from megatron_md.training.build import build_optimizer, build_wrapped_model, seed_everything, setup_parallel
     from megatron_md.training.build import vocab_size_for
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 CHECKED_AGAINST = "0.19.2"
 
-# Attributes our tagging (mcore/md_checkpoint.tag_md_params) sets on model params. megatron copies only
+# Attributes our tagging (mcore/param_tags.tag_params) sets on model params. megatron copies only
 # the keys of _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS onto the fp32 master params it makes for bf16 training,
 # so MD's routing and state names would be lost on them without these keys.
 PARAM_ATTRIBUTES = {"md_key": None, "md_swiglu": False}

@@ -9,7 +9,8 @@ the run's ``--optimizer`` (``family_of(cfg)``); none of them names an optimizer.
 - building the megatron optimizer: the config class, registry entry, param-group overrides and the
   layer-wise routing (which matrices it steps whole, sharded over DP by megatron's layer-wise optimizer);
 - what happens after the weights are built or loaded (weights kept on spheres/manifolds are synced to the
-  model), and the run hooks (geometry-policy log lines, auto-switches and their checkpointed state);
+  model), and the run hooks (``run_hooks.py``: state saved beside megatron's, fresh state from loaded weights,
+  the log's matrix LR and gains, geometry-policy log lines, auto-switches and their checkpointed state);
 - how the planner counts each role's optimizer state and Newton-Schulz work.
 
 Importing this module imports neither megatron-core nor torch: ``--help`` and ``megatron-md plan`` stay fast.
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from megatron_md.mcore.run_hooks import MDHooks, PolicyHooks, RunHooks
 
 
 @dataclass(frozen=True)
@@ -49,22 +52,6 @@ class SweepRecipe:
 _BASELINE = {"lr_decay_style": "cosine", "adam_beta2": 0.95}
 # MD's other LRs in a sweep (the matrix LR is swept).
 _MD_FIXED = {"lr": 1e-3, "embedding_lr": 3e-3}
-
-
-class RunHooks:
-    """Per-run behaviour a family adds to the trainer's loop; the default adds nothing."""
-
-    def describe(self) -> list[str]:
-        return []
-
-    def observe(self, optimizer, diagnostics: dict) -> list[str]:
-        return []
-
-    def state_dict(self):
-        return None
-
-    def load_state_dict(self, state, optimizer) -> list[str]:
-        return []
 
 
 class OptimizerFamily:
@@ -113,7 +100,7 @@ class OptimizerFamily:
     def after_build(self, optimizer) -> None:
         """After the optimizer is built (and before the first forward): weights it projected reach the model."""
         if self.keeps_weights_on_manifolds:
-            from megatron_md.mcore.md_checkpoint import sync_model_params
+            from megatron_md.mcore.md_locate import sync_model_params
 
             sync_model_params(optimizer)
 
@@ -292,7 +279,7 @@ class MDFamily(_EngineFamily):
         ocfg = self._config(cfg, common)
         mdo.register(cfg.optimizer.optimizer, ocfg)
         overrides = {**get_standard_config_overrides(ocfg), **mdo.md_param_overrides(ocfg)}
-        return get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides), RunHooks()
+        return get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides), MDHooks()
 
     def assign(self, cfg, role: str) -> Assignment:
         return self._md_assignment(cfg, role, self.base(cfg))
@@ -302,33 +289,6 @@ class MDFamily(_EngineFamily):
         if a.base != "muon":
             return None
         return 1, cfg.optimizer.muon.muon_num_ns_steps, False  # Q, K and V blocks apart
-
-
-class PolicyHooks(RunHooks):
-    """Manifold Muon's geometry policy in the loop: its description, auto-switches, their saved state."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def describe(self) -> list[str]:
-        return [self.policy.describe()]
-
-    def observe(self, optimizer, diagnostics: dict) -> list[str]:
-        from megatron_md.mcore.manifold_optimizer import auto_observe
-
-        return auto_observe(self.policy, optimizer, diagnostics)
-
-    def state_dict(self):
-        return self.policy.state_dict() if hasattr(self.policy, "switched") else None
-
-    def load_state_dict(self, state, optimizer) -> list[str]:
-        if not state or not hasattr(self.policy, "switched"):
-            return []
-        from megatron_md.mcore.manifold_optimizer import apply_switches
-
-        self.policy.load_state_dict(state)
-        apply_switches(self.policy, optimizer)
-        return [f"(restored) {line}" for line in self.policy.log]
 
 
 class ManifoldFamily(_EngineFamily):

@@ -266,7 +266,7 @@ def auto_observe(policy: GeometryPolicy, optimizer, diagnostics: dict) -> list[s
 
 def apply_switches(policy: AutoPolicy, optimizer) -> None:
     """Make every manifold optimizer follow the policy's recorded switches (also after a resume)."""
-    from megatron_md.mcore.md_checkpoint import md_optimizers
+    from megatron_md.mcore.md_locate import md_optimizers
 
     for opt in md_optimizers(optimizer):
         if isinstance(opt, MegatronManifoldMuon):

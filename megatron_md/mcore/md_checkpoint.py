@@ -15,11 +15,9 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.utils import unwrap_model
 
-from megatron_md.mcore import compat, naming
-from megatron_md.mcore.md_optimizer import GAIN_KEYS, MegatronMD
-from megatron_md.mcore.optimizer_checkpoint import children
+from megatron_md.mcore.md_locate import md_optimizers, md_wrappers, sync_model_params
+from megatron_md.mcore.md_optimizer import GAIN_KEYS
 from megatron_md.optim.gains import LOWRANK_AXES
 from megatron_md.optim.bases import BASES
 
@@ -27,48 +25,13 @@ DUAL_KEYS = ("dual", "dual_q", "dual_k", "dual_v")
 # whole-matrix state kept by every TP rank alike, and its checkpoint prefix
 # low-rank gain factors are saved whole too (lowrank gains are refused on TP shards, so every TP rank holds them)
 LOWRANK_KEYS = tuple(f"{k}_{a}" for a in LOWRANK_AXES for k in ("rho", "exp_avg", "exp_avg_sq"))
-# every base's side state (state not shaped like its parameter: SOAP's Kronecker factors), as md_optimizer derives it
-SIDE_STATE = tuple(k for b in BASES.values() for k in b.side_state)
-FULL_KEYS = {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in SIDE_STATE}, **{k: "md" for k in LOWRANK_KEYS}}
 
 
-def tag_md_params(model) -> None:
-    """Give every parameter a layout-independent ``md_key`` (global layer, global expert).
-
-    SequentialMLP's ``local_experts.{n}`` and TEGroupedMLP's ``linear_fc{1,2}.weight{n}`` both
-    become ``local_experts.{ep_rank * local + n}.linear_fc{1,2}.weight`` (``mcore/naming.py``).
-    """
-    compat.install()  # so that megatron's bf16 master params keep these tags
-    gpt = unwrap_model(model)
-    layers = getattr(getattr(gpt, "decoder", None), "layers", [])
-    ep_rank = ps.get_expert_model_parallel_rank()
-    experts = getattr(gpt.config, "num_moe_experts", None)
-    local = experts // ps.get_expert_model_parallel_world_size() if experts else None
-    for name, p in gpt.named_parameters():
-        p.md_key = naming.canonical_name(
-            name, global_layer=lambda i: layers[i].layer_number - 1, ep_rank=ep_rank, num_local_experts=local
-        )
-        p.md_swiglu = naming.is_swiglu_fc1(p.md_key, gpt.config.gated_linear_unit)
-
-
-def md_wrappers(optimizer) -> list:
-    """(megatron wrapper, MegatronMD) pairs inside chained / wrapped / layer-wise optimizers."""
-    found, stack = [], [optimizer]
-    while stack:
-        o = stack.pop()
-        for child in children(o):
-            if isinstance(child, MegatronMD):
-                found.append((o, child))
-            else:
-                stack.append(child)
-    return found
-
-
-def md_optimizers(optimizer) -> list[MegatronMD]:
-    """Every MegatronMD inside megatron's optimizer objects."""
-    if isinstance(optimizer, MegatronMD):
-        return [optimizer]
-    return [md for _, md in md_wrappers(optimizer)]
+def full_keys() -> dict[str, str]:
+    """Whole-matrix state entries and their checkpoint prefix: Manifold Muon's duals, every base's side state
+    (SOAP's Kronecker factors; read when called, so a plugin's base counts), low-rank gain factors."""
+    side = tuple(k for b in BASES.values() for k in b.side_state)
+    return {**{k: "mm" for k in DUAL_KEYS}, **{k: "md" for k in side}, **{k: "md" for k in LOWRANK_KEYS}}
 
 
 def _tp(p):
@@ -102,7 +65,7 @@ def _axis_tensor(p, state, axis: str, layer_wise: bool, loading: bool) -> Sharde
 
 def md_sharded_state(optimizer, *, loading: bool = False, layer_wise: bool = False) -> dict:
     """ShardedTensors holding every local MD gain state (empty buffers when ``loading``)."""
-    out = {}
+    out, full = {}, full_keys()
     for opt in md_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -110,7 +73,7 @@ def md_sharded_state(optimizer, *, loading: bool = False, layer_wise: bool = Fal
                 key = getattr(p, "md_key", None)
                 if key is None:
                     continue
-                for name, prefix in FULL_KEYS.items():  # Manifold Muon's duals, SOAP's factors: TP-replicated
+                for name, prefix in full.items():  # Manifold Muon's duals, SOAP's factors: TP-replicated
                     if name in state:
                         tp_rank, _ = _tp(p)
                         t = state[name]
@@ -138,7 +101,7 @@ def md_sharded_state(optimizer, *, loading: bool = False, layer_wise: bool = Fal
 
 def load_md_state(optimizer, loaded: dict) -> int:
     """Copy loaded gain state into the optimizers; returns how many matrices were restored."""
-    restored = 0
+    restored, full = 0, full_keys()
     for opt in md_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -146,7 +109,7 @@ def load_md_state(optimizer, loaded: dict) -> int:
                 state = opt.state.get(p)
                 if key is None or not state:
                     continue
-                for name in FULL_KEYS:
+                for name in full:
                     if f"{key}/{name}" in loaded and name in state:
                         state[name].copy_(loaded[f"{key}/{name}"])
                 if f"{key}/step" not in loaded:
@@ -197,41 +160,4 @@ _KEEP = {"embedding": "--md-embedding-gains row", "output": "--md-output-gains r
          "router": "--md-gains rowcol"}
 
 
-def sync_model_params(optimizer) -> None:
-    """Push the optimizers' (projected) main params into the model params the forward uses.
-
-    Needed whenever MD / Manifold Muon project weights outside a step (construction, weights-only loads):
-    bf16 runs keep separate fp32 main params, and under the layer-wise distributed optimizer each DP rank
-    projects only the matrices it owns, so the others must be broadcast (found by a layout test).
-    """
-    for o, _ in md_wrappers(optimizer):
-        compat.copy_main_params_to_model_params(o)
-    stack = [optimizer]
-    while stack:
-        o = stack.pop()
-        if getattr(o, "dp_cp_params_list", None) is not None and hasattr(o, "broadcast_params"):
-            o.broadcast_params()
-        stack += children(o)
-
-
-def md_state_bytes(optimizer) -> dict[str, int]:
-    """Bytes of optimizer state this rank holds for MD / Manifold-Muon managed matrices.
-
-    ``state``: every tensor in the MD optimizers' state (momentum or Adam moments, gains and their
-    moments, manifold duals); ``matrices``: how many matrices that state belongs to.
-    """
-    total = count = 0
-    for opt in md_optimizers(optimizer):
-        for state in opt.state.values():
-            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-            if tensors:
-                count += 1
-                total += sum(t.numel() * t.element_size() for t in tensors)
-    return {"state": total, "matrices": count}
-
-
-def has_md(optimizer) -> bool:
-    return bool(md_optimizers(optimizer))
-
-
-__all__ = ["md_state_bytes", "sync_model_params", "tag_md_params", "md_sharded_state", "load_md_state", "md_optimizers", "has_md", "reset_md_from_weights", "GAIN_KEYS"]
+__all__ = ["md_sharded_state", "load_md_state", "reset_md_from_weights", "GAIN_KEYS"]

@@ -93,9 +93,9 @@ def build_wrapped_model(cfg: RunConfig, vocab: int, cpu: bool):
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         check_for_nan_in_grad=False,  # we check ourselves and skip the step instead of crashing
     )
-    from megatron_md.mcore.md_checkpoint import tag_md_params
+    from megatron_md.mcore.param_tags import tag_params
 
-    tag_md_params(model)  # layout-independent names for MD state, routing and diagnostics
+    tag_params(model)  # layout-independent names for optimizer state, routing and diagnostics
     layout = layer_wise_param_layout(cfg, model, ddp_config) if layer_wise(cfg) else None
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
     config.finalize_model_grads_func = finalize_model_grads

@@ -176,12 +176,13 @@ class Trainer:
         if found := megatron_lm.find(c.load):
             common = megatron_lm.load(
                 c.load, *found, self.model, self.optimizer, self.scheduler, load_optim=not c.no_load_optim,
-                cfg=self.cfg, fully_parallel=c.ckpt_fully_parallel_load, log=self.logger_lines.append)
+                cfg=self.cfg, fully_parallel=c.ckpt_fully_parallel_load, log=self.logger_lines.append,
+                hooks=self.hooks)
         elif c.load and ckpt.latest_iteration(c.load) is not None:
             common = ckpt.load_checkpoint(
                 c.load, self.model, self.optimizer, self.scheduler,
                 load_optim=not c.no_load_optim, load_rng=not c.no_load_rng, layer_wise=layer_wise(self.cfg),
-                verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load,
+                verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load, hooks=self.hooks,
             )
         if c.load and (found or ckpt.latest_iteration(c.load) is not None):
             self.state.iteration = common["iteration"]
@@ -197,12 +198,12 @@ class Trainer:
         if c.pretrained_checkpoint and (found := megatron_lm.find(c.pretrained_checkpoint)):
             common = megatron_lm.load(
                 c.pretrained_checkpoint, *found, self.model, self.optimizer, load_optim=False, cfg=self.cfg,
-                fully_parallel=c.ckpt_fully_parallel_load, log=self.logger_lines.append)
+                fully_parallel=c.ckpt_fully_parallel_load, log=self.logger_lines.append, hooks=self.hooks)
             self._loaded_from = common["path"] + " (Megatron-LM, weights only)"
         elif c.pretrained_checkpoint:
             common = ckpt.load_checkpoint(
                 c.pretrained_checkpoint, self.model, self.optimizer, load_optim=False, load_rng=False,
-                verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load,
+                verify=not c.no_verify_checkpoint, fully_parallel=c.ckpt_fully_parallel_load, hooks=self.hooks,
             )
             self._loaded_from = common["path"] + " (weights only)"
         if c.pretrained_checkpoint and (note := common.get("weights_note")):
@@ -387,6 +388,7 @@ class Trainer:
             async_save=c.async_save,
             fully_parallel=c.ckpt_fully_parallel_save,
             keep_last=c.keep_last_n_checkpoints,
+            hooks=self.hooks,
         )
 
     def _count_step(self, interval: dict, loss, grad_norm, ok: bool) -> None:
@@ -511,7 +513,7 @@ class Trainer:
             "iteration": self.state.iteration,
             "consumed_samples": self.state.consumed_samples,
             "lm_loss": iv["loss"] / iv["n"] if iv["n"] else None,
-            "lr": self._group_lr(None),
+            **self.hooks.log_lrs(self.optimizer),  # "lr", and the family's matrix LR when it has one
             "grad_norm": float(iv["grad_norm"]) if iv["grad_norm"] is not None else None,
             "tokens_per_s": tokens / max(iv["train_s"], 1e-9),
             "iter_time_ms": per_iter * 1000.0,
@@ -533,15 +535,12 @@ class Trainer:
             from megatron_md.training.observability.diagnostics import collect
 
             with self.params_synced():
-                diag = collect(self.model, self.optimizer, self.probe)
+                diag = collect(self.model, self.hooks.matrix_gains(self.optimizer), self.probe)
             rec.update(diag)
             for line in self.hooks.observe(self.optimizer, diag):
                 self.logger.print(line)
         if self.qk is not None:
             rec.update(self.qk.log_fields(self.rt.device))
-        matrix_lr = self._group_lr("hidden") or self._group_lr("manifold")
-        if matrix_lr is not None:
-            rec["matrix_lr"] = matrix_lr
         timers_text, timers_ms = interval_report(self.timers, self.cfg.logging.timing_log_level, iv["iters"])
         rec.update(timers_ms)
         self.logger.log_train(rec)
@@ -554,13 +553,6 @@ class Trainer:
             return False
         every = -(-lg.diagnostics_interval // lg.log_interval) * lg.log_interval
         return iteration % every == 0 or iteration == self.cfg.training.train_iters
-
-    def _group_lr(self, md_role):
-        """LR of the first param group with this MD role (None: a group without one)."""
-        for group in self.optimizer.param_groups:
-            if group.get("md_role") == md_role and (md_role is not None or group["params"]):
-                return group["lr"]
-        return None if md_role else self.optimizer.param_groups[0]["lr"]
 
 
 def run(cfg: RunConfig) -> TrainState:

@@ -70,11 +70,11 @@ def _gpt(layout: str, *, ep_size: int, layers: int = 2, first_layer: int = 0, ga
 
 
 def _tag(monkeypatch, gpt: nn.Module, *, ep_rank: int, ep_size: int) -> dict[str, nn.Parameter]:
-    from megatron_md.mcore import md_checkpoint
+    from megatron_md.mcore import param_tags
 
-    monkeypatch.setattr(md_checkpoint.ps, "get_expert_model_parallel_rank", lambda: ep_rank)
-    monkeypatch.setattr(md_checkpoint.ps, "get_expert_model_parallel_world_size", lambda: ep_size)
-    md_checkpoint.tag_md_params(gpt)
+    monkeypatch.setattr(param_tags.ps, "get_expert_model_parallel_rank", lambda: ep_rank)
+    monkeypatch.setattr(param_tags.ps, "get_expert_model_parallel_world_size", lambda: ep_size)
+    param_tags.tag_params(gpt)
     return dict(gpt.named_parameters())
 
 

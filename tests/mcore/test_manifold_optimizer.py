@@ -9,7 +9,7 @@ def test_a_base_named_on_an_md_rule_reaches_its_groups(mcore_world):
     """``mlp=md:adam`` gives the MLP's MD groups the Adam base (the suffix was ignored: every MD group of a
     geometry took Muon); roles whose rule names no base keep their family defaults (attention Muon, the
     embedding Adam, the router --md-router-base)."""
-    from megatron_md.mcore.md_checkpoint import md_optimizers
+    from megatron_md.mcore.md_locate import md_optimizers
     from megatron_md.optim.md import MDHyperParams
     from megatron_md.training.build import build_optimizer, build_wrapped_model
 

@@ -22,7 +22,7 @@ def md_model(mcore_world):
 
 
 def _md_params(optimizer):
-    from megatron_md.mcore.md_checkpoint import md_optimizers
+    from megatron_md.mcore.md_locate import md_optimizers
 
     out = {}
     for opt in md_optimizers(optimizer):

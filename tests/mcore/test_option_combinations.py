@@ -54,7 +54,7 @@ def test_the_walk_covers_every_optimizer_with_every_option():
 
 
 def _groups(optimizer) -> dict[str, list[dict]]:
-    from megatron_md.mcore.md_checkpoint import md_optimizers
+    from megatron_md.mcore.md_locate import md_optimizers
 
     out: dict[str, list[dict]] = {}
     for opt in md_optimizers(optimizer):

@@ -104,7 +104,7 @@ QKV = "decoder.layers.{}.self_attention.linear_qkv.weight"
                                                   ("manifold_muon", {"geometry": "hetero"})])
 def test_row_clip_without_qk_norm(mcore_world, optimizer_name, extra):
     """tiny-gpt2 (MHA, no QK-norm): the QKV rows of the heads above τ, every other weight bit for bit."""
-    from megatron_md.mcore.md_checkpoint import md_optimizers
+    from megatron_md.mcore.md_locate import md_optimizers
     from megatron_md.optim.manifolds import get_geometry
 
     before, opt0, maxima, tau = _unclipped_and_tau(optimizer_name, "tiny-gpt2", extra)

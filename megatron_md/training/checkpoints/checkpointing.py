@@ -26,6 +26,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model as unwrap
 
 from megatron_md.mcore import multi_tensor
+from megatron_md.mcore.run_hooks import RunHooks
 from megatron_md.mcore.optimizer_checkpoint import (
     after_load,
     byte_sharded_optimizers,
@@ -111,9 +112,17 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _hooks(optimizer, hooks):
+    """The family's run hooks (mcore/run_hooks.py): required with an optimizer, whose extra state they save."""
+    if hooks is None and optimizer is not None:
+        raise TypeError("an optimizer comes with its family's run hooks (hooks=, from build_optimizer_and_hooks): "
+                        "they save and load the state megatron does not")
+    return hooks if hooks is not None else RunHooks()
+
+
 def _sharded_state(
     model, optimizer, *, is_loading: bool, with_optim: bool, with_rng: bool, layer_wise: bool = False,
-    optim_sharding: str = DP_RESHARDABLE, avoid_prefix: bool = True,
+    optim_sharding: str = DP_RESHARDABLE, avoid_prefix: bool = True, hooks=None,
 ) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
@@ -125,10 +134,10 @@ def _sharded_state(
         state["optimizer"] = layer_wise_groups_from_config(
             optimizer, optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
         )
-        from megatron_md.mcore.md_checkpoint import has_md, md_sharded_state
-
-        if has_md(optimizer):  # MD gains are not parameter-shaped: saved beside megatron's state
-            state["md"] = md_sharded_state(optimizer, loading=is_loading, layer_wise=layer_wise)
+        # what the family keeps beyond megatron's per-parameter state (MD's gains): beside it
+        extras = _hooks(optimizer, hooks).sharded_extras(optimizer, loading=is_loading, layer_wise=layer_wise)
+        state.update(extras)
+        state["optimizer_extras"] = sorted(extras)
     if with_rng:
         # One object per global rank; restored only when the world size is unchanged.
         state["rng_state"] = ShardedObject(
@@ -185,8 +194,10 @@ def save_checkpoint(
     async_save: bool = False,
     fully_parallel: bool = True,
     keep_last: int | None = None,
+    hooks=None,
 ) -> Path:
-    """Save atomically; returns the final ``iter_`` directory.
+    """Save atomically; returns the final ``iter_`` directory. ``hooks``: the optimizer family's run hooks (the
+    state they keep is saved beside megatron's).
 
     ``async_save``: the shards are written by a forked process while training goes on; the checkpoint is
     published (checksums, rename, latest file, pruning) by ``finalize_saves`` on every rank once all
@@ -205,7 +216,7 @@ def save_checkpoint(
     optim_sharding = FULLY_RESHARDABLE if fully_reshardable else DP_RESHARDABLE
     state = _sharded_state(
         model, optimizer, is_loading=False, with_optim=True, with_rng=True, layer_wise=layer_wise,
-        optim_sharding=optim_sharding,
+        optim_sharding=optim_sharding, hooks=hooks,
     )
     state.update(
         iteration=iteration,
@@ -216,7 +227,6 @@ def save_checkpoint(
         consumed_samples=consumed_samples,
         scheduler=scheduler.state_dict(),
         world_size=dist.get_world_size(),
-        has_md="md" in state,
         extra=extra or {},
     )
     request = dist_checkpointing.save(
@@ -315,8 +325,10 @@ def load_checkpoint(
     layer_wise: bool = False,
     verify: bool = True,
     fully_parallel: bool = False,
+    hooks=None,
 ) -> dict:
-    """Load model (and optimizer, scheduler, RNG) in place; returns the common state.
+    """Load model (and optimizer, scheduler, RNG) in place; returns the common state. ``hooks``: the optimizer
+    family's run hooks (required with an optimizer): they load their state, or make it from the loaded weights.
 
     ``verify`` (collective) first checks the files against their checksums.json, reading nothing else.
     """
@@ -339,12 +351,12 @@ def load_checkpoint(
         model, optimizer, is_loading=True, with_optim=with_optim, with_rng=load_rng and same_world,
         layer_wise=layer_wise, optim_sharding=common.get("optim_sharding", DP_RESHARDABLE),
         avoid_prefix=common.get("optim_avoid_prefix", False),  # checkpoints from before it was recorded
+        hooks=hooks,
     )
-    if with_optim and "md" in state and not common.get("has_md", False):
-        raise CheckpointMismatch(
-            f"--load {root}: the checkpoint has no MD gain state (saved with another optimizer); "
-            "use --pretrained-checkpoint to start MD from its weights, or --no-load-optim"
-        )
+    hooks = _hooks(optimizer, hooks)
+    extras = {k: state[k] for k in state.pop("optimizer_extras", [])}
+    if with_optim and (why := hooks.missing_extras(root, common, extras)):
+        raise CheckpointMismatch(why)
     loaded = dist_checkpointing.load(state, str(path), sharded_strategy=load_strategy(path, fully_parallel))
     unwrap(model).load_state_dict(loaded["model"])
     if with_optim:
@@ -352,17 +364,12 @@ def load_checkpoint(
             optimizer.load_state_dict(loaded["optimizer"])
         after_load(optimizer)
         multi_tensor.use_foreach(optimizer)  # the load replaced the param groups (and their foreach)
-        if "md" in loaded:
-            from megatron_md.mcore.md_checkpoint import load_md_state
-
-            load_md_state(optimizer, loaded["md"])
+        hooks.load_extras(optimizer, loaded)
     elif optimizer is not None:
-        # New weights in the model: refresh fp32 master copies, and fresh MD state from them (the gains take
-        # the loaded norms where they can, so the loaded function is kept; the note says what moved).
+        # New weights in the model: refresh fp32 master copies, and the family's state from them (MD's gains
+        # take the loaded norms where they can, so the loaded function is kept; the note says what moved).
         optimizer.reload_model_params()
-        from megatron_md.mcore.md_checkpoint import reset_md_from_weights
-
-        common["weights_note"] = reset_md_from_weights(optimizer)
+        common["weights_note"] = hooks.from_weights(optimizer)
     if scheduler is not None and load_optim:
         scheduler.load_state_dict(common["scheduler"])
     if "rng_state" in loaded:

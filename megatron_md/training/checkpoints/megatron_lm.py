@@ -295,10 +295,11 @@ def _check_optimizer(root, args, common, cfg, optimizer) -> None:
 
 
 def load(root, path: Path, common: dict, model, optimizer=None, scheduler=None, *, load_optim: bool,
-         cfg=None, fully_parallel: bool = False, log=print) -> dict:
+         cfg=None, fully_parallel: bool = False, log=print, hooks=None) -> dict:
     """Load a Megatron-LM checkpoint (found by :func:`find`) in place; returns the common state in our shape
     (``iteration``, ``consumed_samples``, ``path``, ``extra``). ``cfg``: this run's RunConfig; the architecture is
-    compared again here with the vocabulary the model was built with."""
+    compared again here with the vocabulary the model was built with. ``hooks``: the optimizer family's run hooks
+    (required with an optimizer: without Megatron-LM's state they make theirs from the weights)."""
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
 
@@ -321,8 +322,12 @@ def load(root, path: Path, common: dict, model, optimizer=None, scheduler=None, 
         prepare_for_load(optimizer)
     log(f"{root}: a Megatron-LM checkpoint ({path.name}; the layout of {SOURCE}): it has no checksums.json, so "
         f"nothing was verified; RNG state not restored{'' if with_optim else ', optimizer state not loaded'}")
+    hooks = ckpt._hooks(optimizer, hooks)
     state = ckpt._sharded_state(model, optimizer, is_loading=True, with_optim=with_optim, with_rng=False,
-                                optim_sharding=sharding, avoid_prefix=meta.get("chained_optim_avoid_prefix", False))
+                                optim_sharding=sharding, avoid_prefix=meta.get("chained_optim_avoid_prefix", False),
+                                hooks=hooks)
+    for key in state.pop("optimizer_extras", []):  # a Megatron-LM checkpoint holds none of our families' extras
+        state.pop(key)
     loaded = dist_checkpointing.load(state, str(path), sharded_strategy=ckpt.load_strategy(path, fully_parallel))
     built.load_state_dict(loaded["model"])
     if with_optim:
@@ -337,8 +342,6 @@ def load(root, path: Path, common: dict, model, optimizer=None, scheduler=None, 
     note = None
     if not with_optim and optimizer is not None:
         optimizer.reload_model_params()  # fp32 master copies of the new weights
-        from megatron_md.mcore.md_checkpoint import reset_md_from_weights
-
-        note = reset_md_from_weights(optimizer)  # MD / manifold state from the loaded weights (what it kept, moved)
+        note = hooks.from_weights(optimizer)  # the family's state from the loaded weights (what it kept, moved)
     return {"iteration": int(common.get("iteration", 0)), "consumed_samples": int(saved_arg(args, "consumed_train_samples", 0)),
             "path": str(path), "extra": {}, "megatron_lm": True, "rng_restored": False, "weights_note": note}

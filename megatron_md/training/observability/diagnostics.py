@@ -236,18 +236,11 @@ class AttentionProbe:
         return out
 
 
-def weight_diagnostics(model, optimizer) -> dict[str, float]:
-    """This rank's share of the matrix statistics (TP rank 0 of each group reports)."""
-    from megatron_md.mcore.md_checkpoint import md_optimizers
+def weight_diagnostics(model, gains: dict) -> dict[str, float]:
+    """This rank's share of the matrix statistics (TP rank 0 of each group reports); ``gains``: {md_key: (row,
+    column gains)} of the matrices whose optimizer keeps gains (the family's ``RunHooks.matrix_gains``)."""
     from megatron.core.utils import unwrap_model as unwrap
 
-    gains = {}
-    for opt in md_optimizers(optimizer):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                key = getattr(p, "md_key", None)
-                if key and opt.state.get(p):
-                    gains[key] = opt.gains(p)
     out: dict[str, float] = {}
     for name, p in unwrap(model).named_parameters():
         key = getattr(p, "md_key", name)
@@ -269,9 +262,10 @@ def weight_diagnostics(model, optimizer) -> dict[str, float]:
     return out
 
 
-def collect(model, optimizer, probe: AttentionProbe | None) -> dict[str, float]:
-    """Gather every rank's diagnostics (all ranks must call); returns the merged dict."""
-    local = weight_diagnostics(model, optimizer)
+def collect(model, gains: dict, probe: AttentionProbe | None) -> dict[str, float]:
+    """Gather every rank's diagnostics (all ranks must call); returns the merged dict (``gains``: as
+    ``weight_diagnostics``)."""
+    local = weight_diagnostics(model, gains)
     if probe is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         local.update({f"diag/{k}": v for k, v in probe.take().items()})
     elif probe is not None:

@@ -66,7 +66,7 @@ def main() -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_md.training.arguments import quiet_megatron
-    from megatron_md.training.build import (build_optimizer, build_wrapped_model, make_tokenizer, setup_parallel,
+    from megatron_md.training.build import (build_optimizer_and_hooks, build_wrapped_model, make_tokenizer, setup_parallel,
                                             vocab_size_for)
     from megatron_md.training.checkpoints import checkpointing as ckpt
     from megatron_md.training.config import resolve
@@ -81,9 +81,10 @@ def main() -> None:
     setup_parallel(cfg)
     vocab = vocab_size_for(cfg, make_tokenizer(cfg))
     model, _ = build_wrapped_model(cfg, vocab, cpu=True)
-    optimizer, scheduler = build_optimizer(cfg, model)
+    optimizer, scheduler, hooks = build_optimizer_and_hooks(cfg, model)
     with torch.no_grad():
-        common = ckpt.load_checkpoint(src, model, optimizer, scheduler, iteration=job["iteration"], load_rng=False)
+        common = ckpt.load_checkpoint(src, model, optimizer, scheduler, iteration=job["iteration"], load_rng=False,
+                                      hooks=hooks)
 
     # Megatron-LM's generate_state_dict, in its order
     metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
