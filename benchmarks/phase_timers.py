@@ -102,7 +102,7 @@ def phase_timers(subject):
             import megatron_md.optim.bases as bases
             import megatron_md.optim.md as md
             import megatron_md.optim.md_batched as md_batched
-            import megatron_md.optim.muon_md as mdo
+            import megatron_md.optim.md_optimizer as mdo
             from megatron_md.parallel.orthogonalize import OrthogonalizationEngine
 
             for fn in ("md_prepare", "md_finish_"):

@@ -111,7 +111,7 @@ def test_a_plugin_base_takes_the_batched_step(monkeypatch):
     import torch
 
     import megatron_md.plugins
-    from megatron_md.optim.muon_md import MDOptimizer, md_options
+    from megatron_md.optim.md_optimizer import MDOptimizer, md_options
 
     registered = {}
     monkeypatch.setattr(megatron_md.plugins, "register_md_base", lambda name, base, _: registered.update({name: base}))

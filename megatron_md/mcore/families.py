@@ -261,24 +261,26 @@ class MDFamily(_EngineFamily):
                  "--expert-tensor-parallel-size 1, or another MD base (muon_md, adam_md, lion_md)")
 
     def _config(self, cfg, common: dict):
-        from megatron_md.mcore import md_optimizer as mdo
+        from megatron_md.mcore.md_config import MDOptimizerConfig
 
-        return mdo.MDOptimizerConfig(**common, **self._sections(cfg), md_base=self.base(cfg),
-                                     md_num_layers=cfg.model.num_layers)
+        return MDOptimizerConfig(**common, **self._sections(cfg), md_base=self.base(cfg),
+                                 md_num_layers=cfg.model.num_layers)
 
     def _routes_to_adamw(self, cfg) -> Callable:
-        from megatron_md.mcore import md_optimizer as mdo
+        from megatron_md.mcore.md_config import MDOptimizerConfig
+        from megatron_md.mcore.md_param_groups import routes_to_adamw
 
-        return mdo.routes_to_adamw(mdo.MDOptimizerConfig(**self._sections(cfg), md_base=self.base(cfg)))
+        return routes_to_adamw(MDOptimizerConfig(**self._sections(cfg), md_base=self.base(cfg)))
 
     def build(self, cfg, common: dict, ddp_model):
         from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
 
-        from megatron_md.mcore import md_optimizer as mdo
+        from megatron_md.mcore.md_optimizer import register
+        from megatron_md.mcore.md_param_groups import md_param_overrides
 
         ocfg = self._config(cfg, common)
-        mdo.register(cfg.optimizer.optimizer, ocfg)
-        overrides = {**get_standard_config_overrides(ocfg), **mdo.md_param_overrides(ocfg)}
+        register(cfg.optimizer.optimizer, ocfg)
+        overrides = {**get_standard_config_overrides(ocfg), **md_param_overrides(ocfg)}
         return get_megatron_optimizer(ocfg, [ddp_model], config_overrides=overrides), MDHooks()
 
     def assign(self, cfg, role: str) -> Assignment:

@@ -18,14 +18,9 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
 from megatron_md.mcore import compat
 from megatron_md.mcore.family_configs import ManifoldConfig
-from megatron_md.mcore.md_optimizer import (
-    MDOptimizerConfig,
-    MegatronMD,
-    md_param_overrides,
-    ns_settings,
-    refuse_packed_experts,
-    relative_change,
-)
+from megatron_md.mcore.md_config import MDOptimizerConfig, ns_settings
+from megatron_md.mcore.md_optimizer import MegatronMD, refuse_packed_experts, relative_change
+from megatron_md.mcore.md_param_groups import md_param_overrides
 from megatron_md.optim.manifold_muon import ManifoldHyperParams, init_state
 from megatron_md.optim.policy import (
     MANIFOLD_GEOMETRIES,

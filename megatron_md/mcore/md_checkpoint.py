@@ -17,7 +17,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_md.mcore.md_locate import md_optimizers, md_wrappers, sync_model_params
-from megatron_md.mcore.md_optimizer import GAIN_KEYS
+from megatron_md.mcore.md_config import GAIN_KEYS
 from megatron_md.optim.gains import LOWRANK_AXES
 from megatron_md.optim.bases import BASES
 

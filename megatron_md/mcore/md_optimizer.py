@@ -1,4 +1,5 @@
-"""MuonMD / AdamMD inside megatron-core: registry entries, parameter routing, TP/EP hooks.
+"""MuonMD / AdamMD inside megatron-core: registry entries and the TP/EP hooks (the config and group defaults:
+``md_config.py``; the param groups and the AdamW routing: ``md_param_groups.py``).
 
 ``--optimizer muon_md`` / ``adam_md`` / ``lion_md`` / ``soap_md`` are registered in megatron-core's
 emerging-optimizer registry, so they ride on its param groups, bf16 master weights, chained and layer-wise
@@ -16,97 +17,21 @@ distributed optimizers. Routing (docs/optimizers.md §1.8):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
-from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
 from megatron_md.mcore import compat, naming
-from megatron_md.mcore.family_configs import AdEMAMixConfig, LionConfig, MDConfig, SoapConfig, gains_holding_norms
+from megatron_md.mcore.family_configs import gains_holding_norms
+from megatron_md.mcore.md_config import MDOptimizerConfig, group_defaults, ns_settings, side_keys
+from megatron_md.mcore.md_param_groups import routes_to_adamw
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
-from megatron_md.optim.gains import GAIN_AXES, LOWRANK_AXES
 from megatron_md.optim.md import MDHyperParams
-from megatron_md.optim.muon_md import MDOptimizer
+from megatron_md.optim.md_optimizer import MDOptimizer
 from megatron_md.mcore.timing import timed
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel
 from megatron_md.parallel.tp import ShardedReducer, duplicated_orthogonalizer
-
-GAIN_KEYS = (*(f"{k}_{a}" for a in GAIN_AXES + LOWRANK_AXES for k in ("rho", "exp_avg", "exp_avg_sq")), "gain_step")
-# state that does not have its parameter's shape: megatron's checkpoint cannot hold it (md_checkpoint.py does)
-SIDE_KEYS = GAIN_KEYS + tuple(k for b in BASES.values() for k in b.side_state)
-
-
-
-@dataclass
-class MDOptimizerConfig(OptimizerConfig):
-    """megatron-core's OptimizerConfig plus MD's typed sections, handed on whole (flags: mcore/family_configs.py)."""
-
-    md_base: str = "muon"  # the family's base update of hidden matrices
-    md_num_layers: int = 1  # for the 1/sqrt(2L) out-projection radius
-    md: MDConfig = field(default_factory=MDConfig)
-    lion: LionConfig = field(default_factory=LionConfig)
-    soap: SoapConfig = field(default_factory=SoapConfig)
-    ademamix: AdEMAMixConfig = field(default_factory=AdEMAMixConfig)
-
-
-NS_TP_MODES = ("layer_sharded", "duplicated")
-
-
-def ns_settings(config: OptimizerConfig) -> dict:
-    """Newton-Schulz options of MD and Manifold Muon from megatron's Muon flags.
-
-    ``muon_fp32_matmul_prec`` (already resolved from ``auto``): "medium" runs NS in bf16 (megatron's Muon on
-    GPUs), "high" in fp32 with TF32 matmuls, "highest" in plain fp32. ``muon_tp_mode``: "layer_sharded"
-    (one owner per matrix, the engine) or "duplicated" (every TP rank runs every NS); megatron's other modes
-    change the update with the TP size and are refused.
-    """
-    prec = config.muon_fp32_matmul_prec
-    if prec not in ("medium", "high", "highest"):
-        raise ValueError(f"--muon-fp32-matmul-prec {prec!r}: MD and Manifold Muon take medium, high or highest")
-    if config.muon_tp_mode not in NS_TP_MODES:
-        raise ValueError(
-            f"--muon-tp-mode {config.muon_tp_mode!r} is megatron Muon's; MD and Manifold Muon orthogonalise "
-            f"whole matrices: use one of {NS_TP_MODES} (layer_sharded: one owner per matrix, the default)"
-        )
-    return {"dtype": torch.bfloat16 if prec == "medium" else torch.float32,
-            "matmul_precision": "high" if prec == "high" else None,
-            "tp_mode": config.muon_tp_mode}
-
-
-def group_defaults(config: MDOptimizerConfig) -> dict:
-    """MDHyperParams of every MD group from the run's typed sections (groups override per role)."""
-    md, a, betas = config.md, config.ademamix, (config.adam_beta1, config.adam_beta2)
-    gains_betas = (betas[0] if md.md_gains_beta1 is None else md.md_gains_beta1,
-                   betas[1] if md.md_gains_beta2 is None else md.md_gains_beta2)
-    return dict(
-        lr=config.lr, gains_lr=md.gains_lr, gains_max_lr=md.gains_lr,
-        momentum=config.muon_momentum, nesterov=config.muon_nesterov,
-        ns_steps=config.muon_num_ns_steps, ns_coefficients=md.md_ns_coefficients,
-        scale_mode=md.md_scale_mode, sphere=md.md_sphere, gains=md.md_gains,
-        gain_param=md.md_gain_param, weight_decay=config.weight_decay,
-        gains_betas=gains_betas, gains_eps=config.adam_eps if md.md_gains_eps is None else md.md_gains_eps,
-        gains_weight_decay=md.md_gains_weight_decay, gains_bias_correction=md.md_gains_bias_correction,
-        gains_min=md.md_gains_min, gains_no_clamp=md.md_gains_no_clamp, gains_rank=md.md_gains_rank,
-        gains_lowrank_init_std=md.md_gains_lowrank_init_std, gains_lowrank_min=md.md_gains_lowrank_min,
-        gains_lowrank_seed=md.md_gains_lowrank_seed, sphere_iters=md.md_sphere_iters, ball=md.md_ball,
-        betas=betas, eps=config.adam_eps,
-        md_base=config.md_base, lion_betas=(config.lion.lion_beta1, config.lion.lion_beta2),
-        soap_shampoo_beta=config.soap.soap_shampoo_beta, tangent_grad=md.md_tangent_grad,
-        normalize_update=md.md_normalize_update,
-        ademamix_beta3=a.ademamix_beta3, ademamix_alpha=a.ademamix_alpha,
-        ademamix_beta3_warmup=a.ademamix_beta3_warmup, ademamix_alpha_warmup=a.ademamix_alpha_warmup,
-    )
-
-
-def hidden_only(config: MDOptimizerConfig) -> dict:
-    """Options of hidden matrices only (the router, embedding and head keep their row spheres, whole)."""
-    md = config.md
-    return {"sphere_kind": md.md_sphere_kind, "split_heads": md.md_split_heads,
-            "split_heads_update": md.md_split_heads_update, "split_qkv_gains": md.md_split_qkv_gains}
-
 
 class MegatronMD(MDOptimizer):
     """MDOptimizer whose reductions and msign follow each parameter's TP (or expert-TP) shards.
@@ -240,12 +165,13 @@ class MegatronMD(MDOptimizer):
         # megatron checkpoints optimizer state that has its parameter's shape; the gain vectors
         # travel separately (mcore/md_checkpoint.py).
         self.drop_unowned_state()
-        sd = super().state_dict()
-        sd["state"] = {i: {k: v for k, v in s.items() if k not in SIDE_KEYS} for i, s in sd["state"].items()}
+        sd, side = super().state_dict(), side_keys()
+        sd["state"] = {i: {k: v for k, v in s.items() if k not in side} for i, s in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict):
-        kept = {p: {k: v for k, v in s.items() if k in SIDE_KEYS} for p, s in self.state.items()}
+        side = side_keys()
+        kept = {p: {k: v for k, v in s.items() if k in side} for p, s in self.state.items()}
         super().load_state_dict(state_dict)
         for p, gains in kept.items():
             self.state[p].update(gains)
@@ -270,88 +196,12 @@ def _config_to_kwargs(config, model_chunks, pg_collection):
     return {"config": config, "pg_collection": pg_collection}
 
 
-def routes_to_adamw(config: MDOptimizerConfig):
-    """Which params MD leaves to AdamW: 1-D ones, learned positions, unconstrained embedding/head."""
-    plain = ["position_embeddings.weight"]
-    if config.md.md_embedding_sphere == "none":
-        plain.append("word_embeddings.weight")
-    if config.md.md_output_sphere == "none":
-        plain.append("output_layer.weight")
-
-    def routed(p: torch.Tensor) -> bool:
-        key = getattr(p, "md_key", None) or ""
-        return p.ndim != 2 or any(key.endswith(s) for s in plain)
-
-    return routed
-
-
 def register(name: str, config: MDOptimizerConfig | None = None) -> None:
     """Add the MD optimizer the run builds (its ``--optimizer`` name) to megatron-core's optimizer registry
     (idempotent). Only what is built is registered: the family that names it calls this."""
     config = config or MDOptimizerConfig()
     routed = ParamKey(predicate=ParamPredicate(name="md_adamw", fn=routes_to_adamw(config)))
     compat.register_optimizer(name, MegatronMD, _config_to_kwargs, {routed: {"optimizer": "adam"}})
-
-
-def md_param_overrides(config: MDOptimizerConfig) -> dict:
-    """Per-module MD groups: sphere, gains, base update and LR band (merged with megatron's)."""
-    lr, min_ratio = config.lr, (config.min_lr / config.lr if config.lr else 0.0)
-    md = config.md
-
-    def band(max_lr: float, role: str = "") -> dict:
-        # megatron matches saved and current param groups on load by a fixed tuple of keys that
-        # does not include ours (sphere, gains, base); without a distinguishing entry the
-        # embedding and LM-head groups collide. ``is_decoupled_lr`` is in that tuple and unused
-        # by megatron-core's scheduler, so it carries the MD role.
-        tag = {"is_decoupled_lr": f"md:{role}"} if role else {}
-        floor = config.min_lr if md.min_lr_mode == "absolute" else max_lr * min_ratio
-        return {"max_lr": max_lr, "min_lr": floor, **tag}
-
-    matrix_lr = config.md.matrix_lr if config.md.matrix_lr is not None else lr
-    embedding_lr = config.md.embedding_lr if config.md.embedding_lr is not None else lr
-    output_lr = md.output_lr if md.output_lr is not None else lr
-    # out-projections get their own group when something differs for them: the 1/sqrt(2L) radius, or "embed"
-    out_proj = config.md.md_out_proj_radius or "embed" in (config.md.md_sphere, config.md.md_gains)
-    hidden = ParamKey(predicate=ParamPredicate(
-        name=f"md_hidden{'_no_out' if out_proj else ''}", fn=lambda p: _is_hidden_matrix(p) and not (out_proj and _is_out_proj(p))
-    ))
-    keep = {"preserve_init": True} if config.md.md_preserve_init else {}  # hidden matrices only: they have gains
-    keep.update(hidden_only(config))
-    router = ParamKey(name="*router.weight")
-    embedding = ParamKey(name="*word_embeddings.weight")
-    output = ParamKey(name="*output_layer.weight")
-    out = {
-        hidden: {**band(matrix_lr, "hidden"), "md_role": "hidden", **keep},
-        router: {**band(matrix_lr, "router"), "md_role": "router", "sphere": config.md.md_router_sphere,
-                 "scale_mode": "shape_scaling", "md_base": md.md_router_base},
-    }
-    if out_proj:
-        # Paper option: out-projections live on a sphere of radius sqrt(max(m,n))/sqrt(2L) and
-        # their Muon update shrinks by the same factor (docs/optimizers.md §1.2).
-        key = ParamKey(predicate=ParamPredicate(name="md_out_proj", fn=lambda p: _is_hidden_matrix(p) and _is_out_proj(p)))
-        radius = {"radius_scale": 1.0 / (2 * config.md_num_layers) ** 0.5} if config.md.md_out_proj_radius else {}
-        out[key] = {**band(matrix_lr, "out_proj"), "md_role": "hidden", "out_proj": True, **radius, **keep}
-    if config.md.md_embedding_sphere != "none":
-        out[embedding] = {**band(embedding_lr, "embedding"), "md_role": "embedding", "sphere": config.md.md_embedding_sphere,
-                          "gains": md.md_embedding_gains, "md_base": md.md_embeddings_base}
-    else:
-        out[embedding] = band(embedding_lr)
-    if config.md.md_output_sphere != "none":
-        out[output] = {**band(output_lr, "output"), "md_role": "output", "sphere": config.md.md_output_sphere,
-                       "gains": config.md.md_output_gains, "md_base": md.md_embeddings_base}
-    elif md.output_lr is not None:  # the LM head under plain AdamW, in a band of its own
-        out[output] = band(output_lr)
-    return out
-
-
-def _is_hidden_matrix(p: torch.Tensor) -> bool:
-    key = getattr(p, "md_key", None) or ""
-    return p.ndim == 2 and "decoder.layers." in key and not key.endswith("router.weight")
-
-
-def _is_out_proj(p: torch.Tensor) -> bool:
-    key = getattr(p, "md_key", None) or ""
-    return key.endswith("linear_proj.weight") or key.endswith("linear_fc2.weight")
 
 
 def _can_recover(hp: MDHyperParams) -> bool:

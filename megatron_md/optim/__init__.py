@@ -11,7 +11,8 @@ from .blocks import qkv_row_index
 from .sphere import Reducer, project_
 from .msign import msign, scale_factor
 from .bases import BASES, AdamBase, AdEMAMixBase, BaseUpdate, LionBase, MuonBase, NormalizedBase, SoapBase
-from .muon_md import AdamMD, AdEMAMixMD, LionMD, MDOptimizer, MuonMD, NormMD, SoapMD
+from .md_optimizer import MDOptimizer
+from .md_variants import AdamMD, AdEMAMixMD, LionMD, MuonMD, NormMD, SoapMD
 from . import manifolds
 from .manifold_muon import ManifoldHyperParams, ManifoldMuon, manifold_step_
 from .policy import (

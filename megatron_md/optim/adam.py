@@ -41,13 +41,15 @@ def adam_denominator(exp_avg_sq: torch.Tensor, step: int | float, beta2: float, 
     return torch.sqrt(exp_avg_sq, out=out).add_(eps * math.sqrt(1.0 - beta2**step))
 
 
-def _moments_and_denominator(grad, exp_avg, exp_avg_sq, beta1: float, beta2: float, eps_c: torch.Tensor):
-    # Functional body with copies back: inductor fuses it into one loop over the five matrices.
+def _moments_and_denominator(grad, exp_avg, exp_avg_sq, beta1: float, beta2: float, eps_c: torch.Tensor,
+                             out: torch.Tensor):
+    # Functional body with copies back: inductor fuses it into one loop over the five matrices. The result goes
+    # to ``out``, the caller's: a fresh matrix-sized result would cost a page fault per page on CPU every step.
     m = exp_avg + (1.0 - beta1) * (grad - exp_avg)
     v = exp_avg_sq * beta2 + (1.0 - beta2) * grad * grad
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
-    return v.sqrt() + eps_c
+    out.copy_(v.sqrt() + eps_c)
 
 
 def _compiled():
@@ -66,7 +68,9 @@ def adam_moments_and_denominator(grad: torch.Tensor, exp_avg: torch.Tensor, exp_
             # eps·sqrt(1-β2^t) changes every step: a tensor, so it is not baked into the kernel (a Python
             # float would recompile it each step)
             eps_c = torch.tensor(eps * math.sqrt(1.0 - b2**step), dtype=grad.dtype, device=grad.device)
-            return _compiled()(grad, exp_avg, exp_avg_sq, b1, b2, eps_c)
+            out = torch.empty_like(exp_avg_sq) if out is None else out
+            _compiled()(grad, exp_avg, exp_avg_sq, b1, b2, eps_c, out)
+            return out
         except Exception as e:  # noqa: BLE001 (any compile failure: eager is the reference)
             _state["failed"] = True
             log.warning("torch.compile of the MD Adam kernel failed (%s: %s); using eager kernels",

@@ -1,6 +1,8 @@
 """The MD step batched over same-shape matrices: every phase of ``md.py``'s ``md_prepare`` / ``md_finish_`` on a
 stack ``[k, m, n]``, so the number of dispatched ops (CUDA launches) per step depends on the number of distinct
-shapes, not on the number of matrices (docs/performance.md, "The optimizer step").
+shapes, not on the number of matrices (docs/performance.md, "The optimizer step"). On CPU, where a dispatch costs
+little and a copy a pass over memory, matrices above ``msign.CPU_BATCH_MAX_ELEMENTS`` each make a stack of one
+(``bucket_key``).
 
 The per-matrix path in ``md.py`` stays the reference; this one computes the same formulas in the same order on
 stacked tensors (equal to fp32 rounding: a reduction over a stacked axis may round differently). It covers the
@@ -28,6 +30,7 @@ from .bases import BaseUpdate
 from .blocks import Block, block_view
 from .gains import DIRECTION_CLAMP, gain_param, rho_floor
 from .md import MDHyperParams
+from .msign import CPU_BATCH_MAX_ELEMENTS
 from .sphere import _NORM_FLOOR, Reducer, flat_radius
 
 COUNTERS = ("gain_step", "step")  # 0-dim step counters: mirrored on the host, read back only on a rebuild
@@ -49,10 +52,14 @@ def batchable(state: dict, hp: MDHyperParams, base: BaseUpdate, blocks: Sequence
 
 
 def bucket_key(p: torch.Tensor, blocks: Sequence[Block], reducer: Reducer) -> tuple:
-    """Matrices that can share a stack: same shape, dtypes, device, blocks and reduction group."""
+    """Matrices that can share a stack: same shape, dtypes, device, blocks and reduction group. On CPU a matrix
+    above ``CPU_BATCH_MAX_ELEMENTS`` is a stack of its own: there a stack saves no dispatch worth its copies (the
+    weights and gradients stacked, the result written back: three passes over them), and Newton-Schulz loops over
+    such matrices anyway (measured at dense-181m: the copies were a tenth of MD's overhead over Muon)."""
     layout = tuple(b.grouped for b in blocks)
+    alone = id(p) if p.device.type == "cpu" and p.numel() > CPU_BATCH_MAX_ELEMENTS else None
     return (tuple(p.shape), p.dtype, p.grad.dtype, p.device, layout, type(reducer),
-            id(getattr(reducer, "group", None)), getattr(reducer, "dim", None))
+            id(getattr(reducer, "group", None)), getattr(reducer, "dim", None), alone)
 
 
 class Slab:
@@ -206,8 +213,10 @@ def prepare(params: list[torch.Tensor], slab: Slab, hp: MDHyperParams, base: Bas
         G_hat = scratch = _times(G, row, col, out=work)
     else:
         aliased = len(grads) == 1 and G.data_ptr() == grads[0].data_ptr()
-        G_hat = G.clone() if base.writes_direction_grad and aliased else G
-        scratch = G_hat if G_hat is not G or not aliased else None
+        # the base's result goes to a buffer of ours (kept between steps on CPU, see Slab.buffer): Ĝ's copy when the
+        # base writes Ĝ and Ĝ is the parameter's own gradient, else Ĝ itself when it is our stack, else a spare
+        G_hat = slab.buffer("G", shape, device).copy_(G) if base.writes_direction_grad and aliased else G
+        scratch = G_hat if G_hat is not G or not aliased else slab.buffer("direction", shape, device)
     return BatchedPrepared(W, W_is_param, _direction(G_hat, slab, hp, base, scratch), grads_out, blocks, (row, col))
 
 
@@ -291,7 +300,7 @@ def stack_outputs(outputs: list[list[torch.Tensor]], nblocks: int) -> list[torch
     outputs already are consecutive entries of one batch (its usual case), else a copy."""
     out = []
     for parts in ([o[b] for o in outputs] for b in range(nblocks)):
-        view = _consecutive(parts)
+        view = parts[0].unsqueeze(0) if len(parts) == 1 else _consecutive(parts)
         out.append(torch.stack(parts) if view is None else view)
     return out
 

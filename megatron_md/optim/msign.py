@@ -52,6 +52,12 @@ COEFFICIENT_SETS: dict[str, list[Coeffs]] = {
 # Steps used when the caller passes steps=None.
 DEFAULT_STEPS: dict[str, int] = {"simple": 5, "quintic": 5, "polar_express": 10}
 
+# On CPU, torch's batched GEMM (bmm/baddbmm) was measured slower than a loop of 2-D GEMMs once a matrix has
+# more than 2^15 elements (2 threads, fp32: 128 x 256x256 343 vs 216 ms, 12 x 4096x512 1047 vs 796 ms; 128 x
+# 256x128 58 vs 78 ms, 64 x 64x128 3.7 vs 12 ms), so there the orthogonalisation engine runs a bucket of bigger
+# matrices one by one, and the batched MD step does not stack them (md_batched.bucket_key).
+CPU_BATCH_MAX_ELEMENTS = 1 << 15
+
 
 def coefficient_schedule(coefficients: str | Sequence[Coeffs], steps: int) -> list[Coeffs]:
     """The (a, b, c) tuple of every step: "simple"/"quintic"/custom lists cycle, Polar Express repeats its last."""

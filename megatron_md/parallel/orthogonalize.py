@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_md.optim.msign import CPU_BATCH_MAX_ELEMENTS as CPU_BATCH_MAX
+
 KernelFn = Callable[[list[torch.Tensor], list[torch.Tensor]], tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 
@@ -328,10 +330,8 @@ def _numel(shape: Sequence[int]) -> int:
 # The msign kernel
 
 
-# On CPU, torch's batched GEMM (bmm/baddbmm) was measured slower than a loop of 2-D GEMMs once a matrix has
-# more than 2^15 elements (2 threads, fp32: 128 x 256x256 343 vs 216 ms, 12 x 4096x512 1047 vs 796 ms; 128 x
-# 256x128 58 vs 78 ms, 64 x 64x128 3.7 vs 12 ms), so there a bucket of bigger matrices runs them one by one.
-CPU_BATCH_MAX_ELEMENTS = 1 << 15
+# measured on CPU: a loop of 2-D GEMMs beats batched GEMM above this size (optim/msign.py)
+CPU_BATCH_MAX_ELEMENTS = CPU_BATCH_MAX
 
 
 def batches_on(device: torch.device, m: int, n: int) -> bool:
@@ -349,7 +349,9 @@ def msign_kernel(steps: int, coefficients: str, dtype: torch.dtype = torch.float
 
     def fn(sharded, replicated):
         X = sharded[0]
-        if X.size(0) == 1 or not batches_on(X.device, *X.shape[1:]):  # 2-D: bitwise the per-matrix result
+        if X.size(0) == 1:  # 2-D: bitwise the per-matrix result, and a view (no stacking copy)
+            return [one(X[0]).unsqueeze(0)], []
+        if not batches_on(X.device, *X.shape[1:]):
             return [torch.stack([one(x) for x in X.unbind(0)])], []
         return [one(X)], []
 

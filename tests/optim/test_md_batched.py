@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_md.optim.muon_md import AdamMD, LionMD, MuonMD, NormMD, SoapMD
+from megatron_md.optim.md_variants import AdamMD, LionMD, MuonMD, NormMD, SoapMD
 
 # two same-shape plain matrices, a transposed one, two fused QKV matrices (Q/K/V blocks), a lone small one
 SHAPES = [(32, 16), (32, 16), (16, 32), (48, 16), (48, 16), (8, 8)]

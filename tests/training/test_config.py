@@ -91,7 +91,7 @@ def test_newton_schulz_flags_resolve_for_md_and_manifold():
     """The engine for MD and Manifold Muon, megatron's duplicated mode for its muon; bf16 NS on GPUs."""
     import torch
 
-    from megatron_md.mcore.md_optimizer import MDOptimizerConfig, ns_settings
+    from megatron_md.mcore.md_config import MDOptimizerConfig, ns_settings
     from megatron_md.training.build import ns_tp_mode
 
     assert resolve("tiny-dense", None, {}).optimizer.muon.muon_tp_mode == "auto"
