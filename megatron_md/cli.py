@@ -18,9 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_md.training import config as C
-from megatron_md.training import megatron_compat
-from megatron_md.training.arguments import parse_train_args, quiet_megatron, train_parser
+# The config classes are imported by the commands, after --plugin modules were loaded: a plugin's base may bring
+# a config section of its own, which must be registered before those classes are built.
 
 
 def under_launcher() -> bool:
@@ -85,6 +84,10 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def cmd_train(argv: list[str]) -> int:
+    from megatron_md.training import config as C
+    from megatron_md.training import megatron_compat
+    from megatron_md.training.arguments import parse_train_args, quiet_megatron
+
     quiet_megatron()
     args, accepted = parse_train_args(argv)
     yaml_path = args.pop("config", None)
@@ -137,6 +140,8 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_params(argv: list[str]) -> int:
+    from megatron_md.training import config as C
+
     p = argparse.ArgumentParser(prog="megatron-md params", description="Parameter counts of presets.")
     p.add_argument("--model", help="One preset (default: all).")
     p.add_argument("--hidden-size", type=int, help="Rescale the preset's width.")
@@ -182,6 +187,9 @@ def _plan_device_argv(argv: list[str]) -> list[str]:
 
 def cmd_plan(argv: list[str]) -> int:
     """Per-device memory, FLOPs and communication of a run, from its config (``train``'s flags)."""
+    from megatron_md.training import config as C
+    from megatron_md.training.arguments import quiet_megatron, train_parser
+
     quiet_megatron()
     from megatron_md.training.planning.report import (DEFAULT_HEADROOM, DEVICES, format_plan, make_plan,
                                                   parse_headroom, resolve_target)
@@ -262,6 +270,8 @@ def _inference_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_score(argv: list[str]) -> int:
+    from megatron_md.training.arguments import quiet_megatron
+
     quiet_megatron()
     p = argparse.ArgumentParser(
         prog="megatron-md score", description="Mean token loss of text under a checkpoint."
@@ -286,6 +296,8 @@ def cmd_score(argv: list[str]) -> int:
 
 
 def cmd_generate(argv: list[str]) -> int:
+    from megatron_md.training.arguments import quiet_megatron
+
     quiet_megatron()
     p = argparse.ArgumentParser(prog="megatron-md generate", description="Continue a prompt under a checkpoint.")
     p.add_argument("--load", required=True, help="Checkpoint directory (with latest_checkpointed_iteration.txt).")
@@ -309,6 +321,8 @@ def cmd_generate(argv: list[str]) -> int:
 
 
 def cmd_eval(argv: list[str]) -> int:
+    from megatron_md.training.arguments import quiet_megatron
+
     quiet_megatron()
     p = argparse.ArgumentParser(
         prog="megatron-md eval",

@@ -11,25 +11,41 @@ import pytest
 from mdtest import QUIET, md_seed, run_cli, train_records
 
 PLUGIN = '''
+import os
+from dataclasses import dataclass
+
 import torch
 
+from megatron_md.fields import opt
 from megatron_md.optim.bases import BaseUpdate, sign_scale
 from megatron_md.optim.blocks import add_block_, get_block
 from megatron_md.plugins import register_md_base
+
+
+@dataclass
+class SignConfig:
+    sign_beta: float = opt(0.9, "sign_md: EMA factor of the momentum whose sign is the step.", valid="[0,1)")
 
 
 class SignBase(BaseUpdate):
     """The sign of an EMA momentum of the direction gradient, scaled like Lion's."""
 
     state_layout = (0, 1, False)
+    section, section_name = SignConfig, "sign"  # its own flag, --sign-beta
     stacks = True  # elementwise and per block: the batched engine may run it on stacks of same-shape matrices
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        if os.environ.get("SIGN_PLUGIN_SAYS"):  # the test reads which value reached the optimizer
+            with open(os.environ["SIGN_PLUGIN_SAYS"], "a") as f:
+                f.write(f"{self.options.sign_beta}\\n")
 
     def init_state(self, p, state):
         state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
     def direction(self, g_hat, state, hp, scratch=None):
         buf = state["momentum_buffer"]
-        buf.lerp_(g_hat, 1.0 - hp.momentum)
+        buf.lerp_(g_hat, 1.0 - self.options.sign_beta)
         return torch.sign(buf)
 
     def descend_(self, W_hat, direction, state, hp, blocks, orthogonalized, reducer=None):
@@ -71,6 +87,10 @@ def test_a_plugin_base_trains_and_resumes_bit_for_bit(tmp_path, plugin_env):
 def test_a_plugin_is_an_optimizer_choice_everywhere(tmp_path, plugin_env):
     help_text = run_cli(["train", "--plugin", "sign_plugin", "--help"], via="cli", env=plugin_env).stdout
     assert "sign_md: MD with the sign of the momentum as the step" in help_text
+    assert "--sign-beta SIGN_BETA" in help_text  # the base's own section made its flag
+    out_of_range = run_cli(["train", "--plugin", "sign_plugin", "--optimizer", "sign_md", "--model", "tiny-dense",
+                            "--mock-data", "--sign-beta", "1.5"], via="cli", env=plugin_env, check=False)
+    assert out_of_range.returncode == 2 and "--sign-beta must be in [0, 1), got 1.5" in out_of_range.stderr
     plan = run_cli(["plan", "--plugin", "sign_plugin", "--optimizer", "sign_md", "--model", "tiny-dense"], via="cli",
                    env=plugin_env).stdout
     assert "optimizer:" in plan
@@ -88,15 +108,19 @@ def test_a_plugin_is_an_optimizer_choice_everywhere(tmp_path, plugin_env):
 @pytest.mark.multirank
 def test_a_plugin_base_trains_at_tp2_as_at_tp1(tmp_path, plugin_env):
     """From the layout tests' seed (same weights at every layout), the plugin's losses at TP2 equal TP1's to
-    rel 1e-5: its blocks' global shapes and the sphere's sums reach it through the package's TP glue."""
+    rel 1e-5: its blocks' global shapes and the sphere's sums reach it through the package's TP glue. Its own flag
+    (--sign-beta 0.8) reaches the optimizer on every rank."""
     seed = md_seed("tiny-dense")
     base = ["train", "--plugin", "sign_plugin", "--optimizer", "sign_md", "--model", "tiny-dense", "--mock-data",
             "--pretrained-checkpoint", str(seed), "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "4", "--train-iters", "3", "--log-interval", "1", "--eval-iters", "0",
-            "--matrix-lr", "0.02", *QUIET]
+            "--matrix-lr", "0.02", "--sign-beta", "0.8", *QUIET]
 
     def losses(name, *extra):
-        run_cli([*base, *extra, "--run-dir", str(tmp_path / name)], via="cli", env=plugin_env)
+        says = tmp_path / f"{name}.says"
+        run_cli([*base, *extra, "--run-dir", str(tmp_path / name)], via="cli",
+                env={**plugin_env, "SIGN_PLUGIN_SAYS": str(says)})
+        assert says.read_text().split() == ["0.8"] * (2 if extra else 1)  # one optimizer per rank
         return [r["lm_loss"] for r in train_records(tmp_path / name)]
 
     tp1 = losses("tp1")
@@ -116,7 +140,8 @@ def test_a_plugin_base_takes_the_batched_step(monkeypatch):
     registered = {}
     monkeypatch.setattr(megatron_md.plugins, "register_md_base", lambda name, base, _: registered.update({name: base}))
     exec(PLUGIN, {})  # the plugin's class, without touching the process's registries
-    base = registered["sign_md"]
+    cls = registered["sign_md"]
+    base = lambda: cls(cls.section(sign_beta=0.8))  # noqa: E731 (the API takes the section object)
 
     def run(per_matrix):
         gen = torch.Generator().manual_seed(0)

@@ -155,6 +155,7 @@ class _EngineFamily(OptimizerFamily):
     keeps_weights_on_manifolds = True
     holds_md_groups = True
     sections = ("md", "lion", "soap", "ademamix")  # OptimConfig sections the megatron config carries (family_configs.py)
+    base_sections: tuple[str, ...] = ()  # sections of registered bases (plugins): handed on in base_options
 
     def validate(self, cfg, need) -> None:
         super().validate(cfg, need)
@@ -208,7 +209,8 @@ class _EngineFamily(OptimizerFamily):
 
     def _sections(self, cfg) -> dict:
         """The family's typed config sections, handed on whole (the run's MD section becomes the megatron config's, the same object)."""
-        return {name: getattr(cfg.optimizer, name) for name in self.sections}
+        return {**{name: getattr(cfg.optimizer, name) for name in self.sections},
+                "base_options": {name: getattr(cfg.optimizer, name) for name in self.base_sections}}
 
     def _md_assignment(self, cfg, role: str, base: str) -> Assignment:
         o = cfg.optimizer

@@ -31,6 +31,8 @@ class MDOptimizerConfig(OptimizerConfig):
     lion: LionConfig = field(default_factory=LionConfig)
     soap: SoapConfig = field(default_factory=SoapConfig)
     ademamix: AdEMAMixConfig = field(default_factory=AdEMAMixConfig)
+    # the sections of bases that bring their own (a --plugin's): {section name: the run's section object}
+    base_options: dict = field(default_factory=dict)
 
 
 NS_TP_MODES = ("layer_sharded", "duplicated")

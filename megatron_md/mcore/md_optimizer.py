@@ -53,7 +53,9 @@ class MegatronMD(MDOptimizer):
         self.ortho_engine.timed = lambda name: timed(self.timers, name)
         self.per_matrix = config.md.md_per_matrix_step
         self._kernels: dict[tuple, object] = {}
-        self._bases = {name: cls() for name, cls in BASES.items()}
+        # a base with a section of its own takes the run's (the same typed object the flags filled)
+        self._bases = {name: cls(config.base_options.get(cls.section_name)) if cls.section else cls()
+                       for name, cls in BASES.items()}
         self._reducers: dict[int, ShardedReducer] = {}
         if config.md_base == "soap" and pg_collection is not None:
             sizes = [g.size() for g in (getattr(pg_collection, "tp", None), getattr(pg_collection, "expt_tp", None))

@@ -46,6 +46,11 @@ class BaseUpdate:
     passes its value as ``step`` (a host number: no device read in the step).
     """
 
+    # Its own typed config section (a dataclass of ``megatron_md.fields.opt`` fields, one flag each), and the
+    # section's name in the run's optimizer config (``cfg.optimizer.<section_name>``): registering the base
+    # (``plugins.register_md_base``) makes the flags, and the run's section reaches the base as ``self.options``.
+    section: type | None = None
+    section_name: str | None = None
     orthogonalizes = False
     writes_direction_grad = False  # True: ``direction`` may overwrite Ĝ (the caller then hands it a copy)
     has_step = False  # True: keeps its own step counter in ``state["step"]`` (bias corrections)
@@ -53,6 +58,10 @@ class BaseUpdate:
     # what the planner counts per matrix: (Adam moments, momentum-like buffers) of the matrix's shape, and
     # whether it keeps Kronecker factors (training/planning/memory.py)
     state_layout: tuple[int, int, bool] = (0, 0, False)
+
+    def __init__(self, options=None):
+        """``options``: the base's ``section`` as the run set it (default: the section's defaults)."""
+        self.options = options if options is not None or self.section is None else self.section()
 
     def init_state(self, p: torch.Tensor, state: dict) -> None:
         raise NotImplementedError

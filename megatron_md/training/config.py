@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import yaml
 
+from megatron_md.config_files import EXAMPLES_DIR, find_config, load_yaml  # noqa: F401 (re-exported)
 from megatron_md.fields import RANGES, opt
 from megatron_md.mcore.families import FAMILIES, descriptions
 from megatron_md.mcore.family_configs import SECTIONS as OPTIMIZER_SECTIONS
@@ -450,38 +451,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     type=str if base is list else base, help=help_text,
                     choices=f.metadata.get("choices"), nargs=f.metadata.get("nargs"),
                 )
-
-
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"  # shipped in the wheel
-
-
-def find_config(path: str) -> Path:
-    """``path`` itself, or else the shipped recipe it names (``examples/md_paper/x.yaml`` or ``md_paper/x.yaml``).
-
-    A wheel install has no source tree, so the recipes travel inside the package; a file of the same
-    name in the working directory always wins.
-    """
-    p = Path(path)
-    if p.is_file() or p.is_absolute():
-        return p
-    rel = p.parts[1:] if p.parts[:1] == ("examples",) else p.parts
-    shipped = EXAMPLES_DIR.joinpath(*rel) if rel else None
-    return shipped if shipped is not None and shipped.is_file() else p
-
-
-def load_yaml(path: str) -> dict:
-    p = find_config(path)
-    if not p.is_file():
-        raise ValueError(
-            f"--config {path}: file not found (nor among the shipped recipes in {EXAMPLES_DIR}; "
-            "`megatron-md recipes` lists them)")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of settings at the top level")
-    return data
 
 
 def resolve(preset: Optional[str], yaml_path: Optional[str], cli: dict, sources: Optional[dict] = None) -> RunConfig:

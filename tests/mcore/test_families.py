@@ -99,10 +99,11 @@ def test_megatron_configs_carry_the_sections_and_declare_no_knob_again():
     from megatron_md.mcore.manifold_optimizer import ManifoldOptimizerConfig
 
     ours = {f.name for f in dataclasses.fields(ManifoldOptimizerConfig)} - {f.name for f in dataclasses.fields(OptimizerConfig)}
-    assert ours == {"md_base", "md_num_layers", "md", "lion", "soap", "ademamix", "manifold"}
+    assert ours == {"md_base", "md_num_layers", "md", "lion", "soap", "ademamix", "manifold", "base_options"}
     cfg = resolve("tiny-dense", None, {"optimizer": "manifold_muon"})
     sections = FAMILIES["manifold_muon"]._sections(cfg)
-    assert all(sections[n] is getattr(cfg.optimizer, n) for n in ours & set(sections)) and len(sections) == 5
+    assert all(sections[n] is getattr(cfg.optimizer, n) for n in ours & set(sections) - {"base_options"})
+    assert len(sections) == 6 and sections["base_options"] == {}  # no plugin base registered here
 
 
 def test_policy_hooks_save_and_restore_the_auto_switches():
