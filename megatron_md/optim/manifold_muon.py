@@ -349,6 +349,11 @@ class ManifoldMuon(torch.optim.Optimizer):
 
     ``manifold`` ∈ {"stiefel", "dgram", "oblique", "sphere", "none"}; parameters are projected onto their
     manifold at construction (wide ones by transposition). 1-D parameters are refused (use AdamW).
+
+    ``mode`` defaults to ``faithful`` here and to ``fast`` on the command line (``--manifold-mode``), on purpose:
+    this class is what the paper's algorithm is checked against (the dual ascent run to ``tol`` each step, as the
+    authors' code), while a training run wants the fast solve that continues the dual across steps (one msign
+    per step; docs/optimizers.md §2).
     """
 
     def __init__(

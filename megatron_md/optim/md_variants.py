@@ -59,7 +59,9 @@ class MuonMD(MDOptimizer):
 class AdamMD(MDOptimizer):
     """MD decoupling with a bias-corrected Adam base on the direction gradient (no scale factor).
 
-    Gains use the same betas/eps as the matrices unless ``gains_betas``/``gains_eps`` are given.
+    Gains use the same betas/eps as the matrices unless ``gains_betas``/``gains_eps`` are given. ``betas`` default
+    to (0.9, 0.99), the MD paper's launch scripts; a run from the command line takes --adam-beta1/2, which the MD
+    recipe sets to (0.9, 0.95) unless given (the family's recipe, docs/optimizers.md).
     """
 
     def __init__(
@@ -109,7 +111,11 @@ class LionMD(MDOptimizer):
 
 
 class SoapMD(MDOptimizer):
-    """MD decoupling with a SOAP base (emerging-optimizers' Kronecker factors and eigenbasis, Adam inside)."""
+    """MD decoupling with a SOAP base (emerging-optimizers' Kronecker factors and eigenbasis, Adam inside).
+
+    ``betas`` default to (0.9, 0.95), not AdamMD's (0.9, 0.99): they are emerging-optimizers' SOAP defaults, kept
+    so this class steps as that SOAP would inside MD. On the command line both take --adam-beta1/2 (the MD
+    recipe's 0.95 for beta2)."""
 
     def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, shampoo_beta: float = 0.95,
