@@ -151,6 +151,8 @@ FULL_ONLY: dict[str, str | None] = {
     # a plugin base: its choices everywhere in the quick tier; its DP2 bf16 resume (three torchrun runs) in the full one
     "tests/test_plugins.py::test_a_plugin_base_trains_and_resumes_bit_for_bit": None,
     "tests/test_plugins.py::test_a_plugin_base_trains_at_tp2_as_at_tp1": None,
+    # the compiled big-matrix pass: its kernels compile for seconds; the rowcol case stays quick
+    "tests/optim/test_md_batched.py::test_a_big_matrix_takes_one_compiled_pass_equal_to_the_eager_ones": "rowcol-decay",
     # the walk over MD option pairs: one pair in the quick tier, the other 90 in the full one
     "tests/mcore/test_option_combinations.py::test_option_pair_is_refused_up_front_or_reaches_its_groups":
         "muon_md-md_sphere-md_gains",

@@ -22,6 +22,7 @@ from .adam import (
     adam_moments_,
     adam_moments_and_denominator,
     adam_step_size,
+    descend_rows_,
 )
 from .blocks import Block, add_block_, get_block
 from .geometry import project_direction_
@@ -87,6 +88,13 @@ class BaseUpdate:
                          step: int | float | None, reducer: Reducer = LOCAL_REDUCER) -> None:
         self.descend_(W_hat, direction, state, hp, blocks, orthogonalized, reducer)
 
+    def descend_rows_stacked_(self, W: torch.Tensor, gains: tuple, decay: float, direction: torch.Tensor,
+                              state: dict, hp: MDHyperParams, step: int | float | None) -> torch.Tensor | None:
+        """Optional fusion for a whole matrix: Ŵ recovered from ``W`` (``gains``: the clamped row and column
+        factors, None where absent), times ``decay``, stepped as ``descend_stacked_``, and the rows' squared norms
+        of the result returned (the sphere's factor follows from them); None: not fused here (the default)."""
+        return None
+
 
 class MuonBase(BaseUpdate):
     """EMA momentum (+ Nesterov), per-block msign and the block's scale factor (docs/optimizers.md §1.5)."""
@@ -137,14 +145,20 @@ class AdamBase(BaseUpdate):
 
     def direction_stacked(self, g_hat, state, hp, scratch, step):
         if g_hat[0].numel() >= COMPILE_MIN_ELEMENTS and g_hat.shape[0] == 1:  # the per-matrix kernel's choice
-            return adam_moments_and_denominator(g_hat[0], state["exp_avg"][0], state["exp_avg_sq"][0], step,
-                                                hp.betas, hp.eps, out=None if scratch is None else scratch[0]
-                                                ).unsqueeze(0)
+            # the stacks themselves, not their rows: a row is a view, and torch.compile mishandles several
+            # mutated views of different bases in one call (measured: an inductor assertion, then eager)
+            return adam_moments_and_denominator(g_hat, state["exp_avg"], state["exp_avg_sq"], step, hp.betas,
+                                                hp.eps, out=scratch)
         adam_moments_(g_hat, state["exp_avg"], state["exp_avg_sq"], *hp.betas)
         return adam_denominator(state["exp_avg_sq"], step, hp.betas[1], hp.eps, out=scratch)
 
     def descend_stacked_(self, W_hat, direction, state, hp, blocks, orthogonalized, step, reducer=LOCAL_REDUCER):
         W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(step, hp.betas) * hp.radius_scale)
+
+    def descend_rows_stacked_(self, W, gains, decay, direction, state, hp, step):
+        # the embedding and LM head at real vocabularies: one compiled pass instead of up to five eager ones
+        return descend_rows_(W, gains, decay, state["exp_avg"], direction,
+                             -hp.lr * adam_step_size(step, hp.betas) * hp.radius_scale)
 
 
 def sign_scale(block_shape: tuple[int, int]) -> float:

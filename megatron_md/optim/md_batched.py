@@ -127,13 +127,14 @@ class Slab:
 
 
 def sphere_scale_stacked(W: torch.Tensor, blocks: Sequence[Block], mode: str, reducer: Reducer,
-                         radius_scale: float) -> torch.Tensor:
+                         radius_scale: float, rows_sq: torch.Tensor | None = None) -> torch.Tensor:
     """``sphere.blocks_sphere_scale`` of each matrix of the stack: ``[k, 1, 1]`` (flat), ``[k, m, 1]`` (row, or
-    flat per Q/K/V block) or ``[k, 1, n]`` (column)."""
+    flat per Q/K/V block) or ``[k, 1, n]`` (column). ``rows_sq``: the rows' squared norms, when already known."""
     if mode == "col":
         sq = reducer.complete(W.square().sum(dim=-2, keepdim=True), "rows")
         return sq.sqrt_().clamp_min_(_NORM_FLOOR).reciprocal_()
-    rows_sq = torch.linalg.vector_norm(W, dim=-1, keepdim=True).square_()  # [k, m, 1]
+    if rows_sq is None:
+        rows_sq = torch.linalg.vector_norm(W, dim=-1, keepdim=True).square_()  # [k, m, 1]
     if mode == "row":
         sq = reducer.complete(rows_sq, "cols")
         return sq.sqrt_().clamp_min_(_NORM_FLOOR).reciprocal_()
@@ -243,14 +244,21 @@ def descend_(prep: BatchedPrepared, slab: Slab, hp: MDHyperParams, base: BaseUpd
     # the end anyway. A division per gain axis (gains.recover_direction multiplies by reciprocals: one rounding
     # apart, two ops fewer)
     W_hat = prep.W
-    for g in prep.gains:
-        if g is not None:
-            W_hat.div_(g.clamp_min(DIRECTION_CLAMP) if not hp.gains_no_clamp else g)
-    if hp.weight_decay:
-        W_hat.mul_(1.0 - hp.lr * hp.weight_decay)
+    gains = tuple(None if g is None else g if hp.gains_no_clamp else g.clamp_min(DIRECTION_CLAMP) for g in prep.gains)
+    decay = 1.0 - hp.lr * hp.weight_decay
     step = slab.steps["step"][0] if base.has_step else None  # advanced in prepare
-    base.descend_stacked_(W_hat, prep.direction, slab.data, hp, prep.blocks, orthogonalized, step, reducer)
-    prep.scale = sphere_scale_stacked(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale)
+    whole = len(prep.blocks) == 1 and prep.blocks[0].rows is None
+    rows_sq = None
+    if whole and hp.sphere_mode in ("row", "flat") and W_hat.shape[0] == 1:  # a big matrix's fused pass, if any
+        rows_sq = base.descend_rows_stacked_(W_hat, gains, decay, prep.direction, slab.data, hp, step)
+    if rows_sq is None:
+        for g in gains:
+            if g is not None:
+                W_hat.div_(g)
+        if hp.weight_decay:
+            W_hat.mul_(decay)
+        base.descend_stacked_(W_hat, prep.direction, slab.data, hp, prep.blocks, orthogonalized, step, reducer)
+    prep.scale = sphere_scale_stacked(W_hat, prep.blocks, hp.sphere_mode, reducer, hp.radius_scale, rows_sq)
 
 
 @torch.no_grad()
