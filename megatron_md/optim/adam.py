@@ -88,34 +88,57 @@ def adam_moments_and_denominator(grad: torch.Tensor, exp_avg: torch.Tensor, exp_
     return adam_denominator(exp_avg_sq, step, b2, eps, out=out)
 
 
-def _descend_rows(W, row, col, exp_avg, denom, decay: torch.Tensor, alpha: torch.Tensor, rows_sq):
-    # md_batched.descend_'s recovery, decay and Adam step, then the rows' squared norms, as one loop over the
-    # matrix (rows are short: each one's sum stays in cache)
-    w = W
+def _step_rows(W, G, row, col, row_div, col_div, exp_avg, exp_avg_sq, beta1: float, beta2: float,
+               scalars: torch.Tensor, rows_sq):
+    # md_batched's Adam-base step of one matrix in one loop: Ĝ = G ⊙ gains, the moments, Ŵ recovered (clamped
+    # gains) and decayed, the step m / (sqrt(v) + eps_c), and the rows' squared norms of the result
+    eps_c, decay, alpha = scalars[0], scalars[1], scalars[2]
+    g = G
     if row is not None:
-        w = w / row
+        g = g * row
     if col is not None:
-        w = w / col
-    w = w * decay + alpha * (exp_avg / denom)
+        g = g * col
+    m = exp_avg + (1.0 - beta1) * (g - exp_avg)
+    v = exp_avg_sq * beta2 + (1.0 - beta2) * g * g
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    w = W
+    if row_div is not None:
+        w = w / row_div
+    if col_div is not None:
+        w = w / col_div
+    w = w * decay + alpha * (m / (v.sqrt() + eps_c))
     W.copy_(w)
     rows_sq.copy_((w * w).sum(dim=-1, keepdim=True))
 
 
-def descend_rows_(W: torch.Tensor, gains: tuple, decay: float, exp_avg: torch.Tensor, denom: torch.Tensor,
-                  alpha: float) -> torch.Tensor | None:
-    """For one big matrix (or a stack of one): ``W <- (W ⊘ row ⊘ col)·decay + alpha·m/denom`` in place (``gains``:
-    the clamped (row, column) factors, None where absent) and the rows' squared norms of the result, ``[..., m, 1]``,
-    in one compiled kernel; None when the kernel is off, failed or the matrix is small (the caller runs eager)."""
+def compiles(numel: int) -> bool:
+    """Whether a matrix of ``numel`` elements takes the compiled kernels (``--md-compile``, size, no failure)."""
+    return _compiling(numel)
+
+
+def adam_step_rows_(W: torch.Tensor, G: torch.Tensor, gains: tuple, divisors: tuple, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, step: int | float, betas: tuple[float, float], eps: float,
+                    decay: float, alpha_per_step: float) -> torch.Tensor | None:
+    """The MD Adam base's whole step of one big matrix (stacks of one, ``[1, m, n]``) in one compiled pass:
+    ``Ĝ = G ⊙ gains`` (row, column factors; None where absent), the moments in place, then
+    ``W <- (W ⊘ divisors)·decay - lr_t·m/(sqrt(v)+eps_t)`` in place (``alpha_per_step``: ``-lr·radius_scale``, times
+    Adam's step size here), returning the rows' squared norms ``[1, m, 1]``. None when the kernel is off, failed
+    or the matrix is small: the caller then runs the eager phases (nothing was written)."""
     if not _compiling(W.numel()):
         return None
+    b1, b2 = betas
     try:
         rows_sq = torch.empty((*W.shape[:-1], 1), dtype=W.dtype, device=W.device)
-        if gains[0] is None and gains[1] is None:
-            # x / 1 is exact, and inductor's kernel for the bare update measured 5x slower on CPU (90 vs 18 ms at
-            # 131072 x 512) than with a row of divisors
-            gains = (torch.ones_like(rows_sq), None)
-        scalars = torch.tensor([decay, alpha], dtype=W.dtype, device=W.device)  # tensors: no recompile per step
-        _compiled(_descend_rows)(W, gains[0], gains[1], exp_avg, denom, scalars[0], scalars[1], rows_sq)
+        if divisors[0] is None and divisors[1] is None:
+            # x / 1 is exact, and inductor's kernel without a divisor measured 5x slower on CPU (90 vs 18 ms at
+            # 131072 x 512)
+            divisors = (torch.ones_like(rows_sq), None)
+        # tensors, not Python floats: they change every step, and a float would recompile the kernel
+        scalars = torch.tensor([eps * math.sqrt(1.0 - b2**step), decay, alpha_per_step * adam_step_size(step, betas)],
+                               dtype=W.dtype, device=W.device)
+        _compiled(_step_rows)(W, G, gains[0], gains[1], divisors[0], divisors[1], exp_avg, exp_avg_sq, b1, b2,
+                              scalars, rows_sq)
         return rows_sq
     except Exception as e:  # noqa: BLE001 (any compile failure: eager is the reference)
         _failed(e)

@@ -21,8 +21,9 @@ from .adam import (
     adam_direction,
     adam_moments_,
     adam_moments_and_denominator,
+    adam_step_rows_,
     adam_step_size,
-    descend_rows_,
+    compiles,
 )
 from .blocks import Block, add_block_, get_block
 from .geometry import project_direction_
@@ -88,11 +89,16 @@ class BaseUpdate:
                          step: int | float | None, reducer: Reducer = LOCAL_REDUCER) -> None:
         self.descend_(W_hat, direction, state, hp, blocks, orthogonalized, reducer)
 
-    def descend_rows_stacked_(self, W: torch.Tensor, gains: tuple, decay: float, direction: torch.Tensor,
-                              state: dict, hp: MDHyperParams, step: int | float | None) -> torch.Tensor | None:
-        """Optional fusion for a whole matrix: Ŵ recovered from ``W`` (``gains``: the clamped row and column
-        factors, None where absent), times ``decay``, stepped as ``descend_stacked_``, and the rows' squared norms
-        of the result returned (the sphere's factor follows from them); None: not fused here (the default)."""
+    def fuses_step(self, numel: int) -> bool:
+        """Whether ``step_rows_stacked_`` takes a stack of one matrix of ``numel`` elements (default: never)."""
+        return False
+
+    def step_rows_stacked_(self, W: torch.Tensor, G: torch.Tensor, gains: tuple, divisors: tuple, decay: float,
+                           state: dict, hp: MDHyperParams, step: int | float | None) -> torch.Tensor | None:
+        """Optional fusion for one big whole matrix, when ``fuses_step``: the base's direction from
+        ``Ĝ = G ⊙ gains`` and its step of ``Ŵ = W ⊘ divisors · decay`` in one pass, in place, returning the rows'
+        squared norms of the result (the sphere's factor follows from them). None: nothing was done (the engine
+        then runs ``direction_stacked`` and ``descend_stacked_``)."""
         return None
 
 
@@ -155,10 +161,13 @@ class AdamBase(BaseUpdate):
     def descend_stacked_(self, W_hat, direction, state, hp, blocks, orthogonalized, step, reducer=LOCAL_REDUCER):
         W_hat.addcdiv_(state["exp_avg"], direction, value=-hp.lr * adam_step_size(step, hp.betas) * hp.radius_scale)
 
-    def descend_rows_stacked_(self, W, gains, decay, direction, state, hp, step):
-        # the embedding and LM head at real vocabularies: one compiled pass instead of up to five eager ones
-        return descend_rows_(W, gains, decay, state["exp_avg"], direction,
-                             -hp.lr * adam_step_size(step, hp.betas) * hp.radius_scale)
+    def fuses_step(self, numel: int) -> bool:
+        return compiles(numel)
+
+    def step_rows_stacked_(self, W, G, gains, divisors, decay, state, hp, step):
+        # the embedding and LM head at real vocabularies: one compiled pass instead of up to nine eager ones
+        return adam_step_rows_(W, G, gains, divisors, state["exp_avg"], state["exp_avg_sq"], step, hp.betas, hp.eps,
+                               decay, -hp.lr * hp.radius_scale)
 
 
 def sign_scale(block_shape: tuple[int, int]) -> float:

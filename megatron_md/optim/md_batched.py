@@ -160,11 +160,12 @@ class BatchedPrepared:
 
     W: torch.Tensor  # [k, m, n] fp32: the fused weights (a view of the parameter when k = 1 and fp32)
     W_is_param: bool
-    direction: torch.Tensor
+    direction: torch.Tensor | None  # None: the base's fused step runs in descend_ (from ``G``)
     gain_grads: dict[str, torch.Tensor]
     blocks: list[Block]
     gains: tuple[torch.Tensor | None, torch.Tensor | None]  # the gains before the step
     scale: torch.Tensor | None = None  # the sphere's factor of the stepped Ŵ (in W), once ``descend_`` ran
+    G: torch.Tensor | None = None  # the gradient, kept for a fused step
 
 
 def _gains(slab: Slab, hp: MDHyperParams) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -198,6 +199,10 @@ def prepare(params: list[torch.Tensor], slab: Slab, hp: MDHyperParams, base: Bas
     G = grads[0].unsqueeze(0) if single else _stacked(grads, slab.buffer("G", shape, device))
     row, col = _gains(slab, hp)
     grads_out = {}
+    # one big whole matrix on a row or flat sphere (the embedding, the LM head): the base may step it in one pass
+    # in descend_, from G itself (Ĝ is not made here)
+    fused = (len(params) == 1 and len(blocks) == 1 and blocks[0].rows is None and hp.sphere_mode in ("row", "flat")
+             and "rho_flat" not in slab.data and base.fuses_step(G.numel()))
     if row is not None or col is not None:
         work = torch.mul(G, W, out=slab.buffer("work", shape, device)) if device.type == "cpu" else G * W
         gp = gain_param(hp.gain_param)
@@ -211,13 +216,17 @@ def prepare(params: list[torch.Tensor], slab: Slab, hp: MDHyperParams, base: Bas
             if col is not None:
                 d = reducer.complete(work.sum(dim=-2), "rows").div_(col.squeeze(-2))
                 grads_out["col"] = d.mul_(gp.phi_prime(slab.data["rho_col"]))
-        G_hat = scratch = _times(G, row, col, out=work)
+        G_hat = scratch = None if fused else _times(G, row, col, out=work)
     else:
         aliased = len(grads) == 1 and G.data_ptr() == grads[0].data_ptr()
         # the base's result goes to a buffer of ours (kept between steps on CPU, see Slab.buffer): Ĝ's copy when the
         # base writes Ĝ and Ĝ is the parameter's own gradient, else Ĝ itself when it is our stack, else a spare
         G_hat = slab.buffer("G", shape, device).copy_(G) if base.writes_direction_grad and aliased else G
         scratch = G_hat if G_hat is not G or not aliased else slab.buffer("direction", shape, device)
+    if fused:
+        if base.has_step:
+            slab.advance("step")
+        return BatchedPrepared(W, W_is_param, None, grads_out, blocks, (row, col), G=G)
     return BatchedPrepared(W, W_is_param, _direction(G_hat, slab, hp, base, scratch), grads_out, blocks, (row, col))
 
 
@@ -247,10 +256,12 @@ def descend_(prep: BatchedPrepared, slab: Slab, hp: MDHyperParams, base: BaseUpd
     gains = tuple(None if g is None else g if hp.gains_no_clamp else g.clamp_min(DIRECTION_CLAMP) for g in prep.gains)
     decay = 1.0 - hp.lr * hp.weight_decay
     step = slab.steps["step"][0] if base.has_step else None  # advanced in prepare
-    whole = len(prep.blocks) == 1 and prep.blocks[0].rows is None
     rows_sq = None
-    if whole and hp.sphere_mode in ("row", "flat") and W_hat.shape[0] == 1:  # a big matrix's fused pass, if any
-        rows_sq = base.descend_rows_stacked_(W_hat, gains, decay, prep.direction, slab.data, hp, step)
+    if prep.direction is None:  # the base's fused step (see prepare)
+        rows_sq = base.step_rows_stacked_(W_hat, prep.G, prep.gains, gains, decay, slab.data, hp, step)
+        if rows_sq is None:  # it declined after all (a compile failure): the phases, eagerly
+            G_hat = _times(prep.G, *prep.gains) if any(g is not None for g in prep.gains) else prep.G
+            prep.direction = base.direction_stacked(G_hat, slab.data, hp, None, step)
     if rows_sq is None:
         for g in gains:
             if g is not None:

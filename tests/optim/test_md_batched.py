@@ -191,13 +191,17 @@ def test_matrices_at_different_steps_fall_back_to_one_by_one():
 
 @pytest.mark.parametrize("kw", [{"sphere": "row", "gains": "rowcol", "weight_decay": 0.1}, {"sphere": "row", "gains": "none"}],
                          ids=["rowcol-decay", "no-gains"])
-def test_a_big_matrix_takes_one_compiled_pass_equal_to_the_eager_ones(kw):
+def test_a_big_matrix_takes_one_compiled_pass_equal_to_the_eager_ones(kw, monkeypatch):
     """At real vocabularies the LM head and the embedding (one matrix each, above adam.COMPILE_MIN_ELEMENTS) take
-    AdamBase.descend_rows_stacked_: recovery, decay, step and row norms in one compiled kernel. Parameters and
-    state equal the eager kernels' to fp32 rounding after 3 steps."""
+    AdamBase.step_rows_stacked_: Ĝ, the moments, recovery, decay, step and row norms in one compiled kernel.
+    Parameters and state equal the eager kernels' to fp32 rounding after 3 steps."""
     from torch._dynamo.utils import counters
 
-    from megatron_md.optim import adam
+    from megatron_md.optim import adam, bases
+
+    fused = []
+    kernel = bases.adam_step_rows_
+    monkeypatch.setattr(bases, "adam_step_rows_", lambda *a, **k: fused.append(kernel(*a, **k)) or fused[-1])
 
     shape = (adam.COMPILE_MIN_ELEMENTS // 256, 256)
     runs, seen = {}, dict(counters["stats"])
@@ -212,6 +216,7 @@ def test_a_big_matrix_takes_one_compiled_pass_equal_to_the_eager_ones(kw):
         if mode == "auto" and adam._state["failed"]:
             pytest.skip("torch.compile unavailable here (the eager fallback is tested in test_adam.py)")
         runs[mode] = (p.detach(), opt.state[p])
+    assert len(fused) == 3 and all(r is not None for r in fused)  # the auto run's 3 steps, none in the "off" one
     (p, state), (q, ref) = runs["auto"], runs["off"]
     _close(p, q)
     for key, value in ref.items():
