@@ -5,6 +5,8 @@ Shared by the trainer, ``score``, the LR-sweep coordinate check and the benchmar
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 
@@ -179,14 +181,12 @@ def build_optimizer_and_hooks(cfg: RunConfig, ddp_model, timers=None):
         params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer and not family.steps_matrices,
         use_layer_wise_distributed_optimizer=layer_wise(cfg),
-        muon_momentum=o.muon.muon_momentum,
-        muon_nesterov=o.muon.muon_nesterov,
-        muon_scale_mode=o.muon.muon_scale_mode,
-        muon_num_ns_steps=o.muon.muon_num_ns_steps,
-        muon_tp_mode=ns_tp_mode(o.muon.muon_tp_mode, o.optimizer),
-        muon_extra_scale_factor=o.muon.muon_extra_scale_factor,
+        # the Muon section's fields are megatron's own OptimizerConfig fields (family_configs.MuonConfig): passed
+        # whole, with its two 'auto' values resolved
+        **{**dataclasses.asdict(o.muon), "muon_tp_mode": ns_tp_mode(o.muon.muon_tp_mode, o.optimizer),
+           "muon_fp32_matmul_prec": ns_matmul_precision(o.muon.muon_fp32_matmul_prec,
+                                                        next(ddp_model.parameters()).device)},
         **({"decoupled_lr": o.decoupled_lr, "decoupled_min_lr": o.decoupled_min_lr} if o.decoupled_lr else {}),
-        muon_fp32_matmul_prec=ns_matmul_precision(o.muon.muon_fp32_matmul_prec, next(ddp_model.parameters()).device),
     )
     optimizer, hooks = family.build(cfg, common, ddp_model)
     from megatron_md.mcore import multi_tensor
