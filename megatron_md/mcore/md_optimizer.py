@@ -27,7 +27,7 @@ from megatron_md.mcore.md_config import MDOptimizerConfig, group_defaults, ns_se
 from megatron_md.mcore.md_param_groups import routes_to_adamw
 from megatron_md.optim import adam
 from megatron_md.optim.bases import BASES
-from megatron_md.optim.md import MDHyperParams
+from megatron_md.optim.hyperparams import MDHyperParams
 from megatron_md.optim.md_optimizer import MDOptimizer
 from megatron_md.mcore.timing import timed
 from megatron_md.parallel.orthogonalize import OrthogonalizationEngine, msign_kernel

@@ -27,7 +27,7 @@ from .adam import (
 )
 from .blocks import Block, add_block_, get_block
 from .geometry import project_direction_
-from .md import MDHyperParams
+from .hyperparams import MDHyperParams
 from .msign import scale_factor
 from .sphere import LOCAL_REDUCER, Reducer
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .sphere import LOCAL_REDUCER, Reducer
 
-if TYPE_CHECKING:  # md.py imports this module
-    from .md import MDHyperParams
+from .hyperparams import MDHyperParams
 
 MaybeTensor = torch.Tensor | None
 GAIN_AXES = ("row", "col", "flat")  # gain vectors: state keys rho_<axis>, exp_avg_<axis>, exp_avg_sq_<axis>

@@ -29,7 +29,7 @@ from .adam import adam_foreach_
 from .bases import BaseUpdate
 from .blocks import Block, block_view
 from .gains import DIRECTION_CLAMP, gain_param, rho_floor
-from .md import MDHyperParams
+from .hyperparams import MDHyperParams
 from .msign import CPU_BATCH_MAX_ELEMENTS
 from .sphere import _NORM_FLOOR, Reducer, flat_radius
 
