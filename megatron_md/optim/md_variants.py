@@ -13,6 +13,17 @@ from .bases import AdamBase, AdEMAMixBase, BaseUpdate, LionBase, MuonBase, Norma
 from .md_optimizer import MDOptimizer, md_options
 
 
+def _check_lrs(lr: float, gains_lr: float) -> None:
+    if lr < 0 or gains_lr < 0:
+        raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+
+
+def _adam_gains(betas, eps: float, gains_betas, gains_eps) -> dict:
+    """The gains' Adam settings of an Adam-like base: the matrices' betas and eps unless given."""
+    return {"gains_betas": tuple(gains_betas if gains_betas is not None else betas),
+            "gains_eps": eps if gains_eps is None else gains_eps}
+
+
 class MuonMD(MDOptimizer):
     """MD decoupling with a Muon base: momentum + Nesterov, Newton-Schulz msign, ``shape_up`` scale.
 
@@ -42,8 +53,7 @@ class MuonMD(MDOptimizer):
         base: BaseUpdate | None = None,
         **options,
     ):
-        if lr < 0 or gains_lr < 0:
-            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        _check_lrs(lr, gains_lr)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         defaults = dict(
@@ -83,13 +93,11 @@ class AdamMD(MDOptimizer):
         base: BaseUpdate | None = None,
         **options,
     ):
-        if lr < 0 or gains_lr < 0:
-            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        _check_lrs(lr, gains_lr)
         defaults = dict(
             lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, sphere=sphere, gains=gains,
             gain_param=gain_param, weight_decay=weight_decay,
-            gains_betas=tuple(gains_betas if gains_betas is not None else betas),
-            gains_eps=eps if gains_eps is None else gains_eps,
+            **_adam_gains(betas, eps, gains_betas, gains_eps),
             gains_weight_decay=gains_weight_decay, qkv_split_shapes=qkv_split_shapes,
             **md_options(options, gain_param),
         )
@@ -103,8 +111,7 @@ class LionMD(MDOptimizer):
     def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.99), *, gains_betas: tuple[float, float] = (0.9, 0.99),
                  gains_eps: float = 1e-8, **options):
-        if lr < 0 or gains_lr < 0:
-            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        _check_lrs(lr, gains_lr)
         defaults = dict(lr=lr, gains_lr=gains_lr, lion_betas=tuple(betas), gains_betas=tuple(gains_betas),
                         gains_eps=gains_eps, **md_options(options))
         super().__init__(params, defaults, LionBase())
@@ -120,8 +127,7 @@ class SoapMD(MDOptimizer):
     def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, shampoo_beta: float = 0.95,
                  *, gains_betas: tuple[float, float] = (0.9, 0.99), gains_eps: float = 1e-8, **options):
-        if lr < 0 or gains_lr < 0:
-            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        _check_lrs(lr, gains_lr)
         defaults = dict(lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, soap_shampoo_beta=shampoo_beta,
                         gains_betas=tuple(gains_betas), gains_eps=gains_eps, **md_options(options))
         super().__init__(params, defaults, SoapBase())
@@ -136,13 +142,11 @@ class AdEMAMixMD(MDOptimizer):
                  betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8, beta3: float = 0.999,
                  alpha: float = 5.0, beta3_warmup: int = 0, alpha_warmup: int = 0, *,
                  gains_betas: tuple[float, float] | None = None, gains_eps: float | None = None, **options):
-        if lr < 0 or gains_lr < 0:
-            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        _check_lrs(lr, gains_lr)
         defaults = dict(
             lr=lr, gains_lr=gains_lr, betas=tuple(betas), eps=eps, ademamix_beta3=beta3, ademamix_alpha=alpha,
             ademamix_beta3_warmup=beta3_warmup, ademamix_alpha_warmup=alpha_warmup,
-            gains_betas=tuple(gains_betas if gains_betas is not None else betas),
-            gains_eps=eps if gains_eps is None else gains_eps, **md_options(options),
+            **_adam_gains(betas, eps, gains_betas, gains_eps), **md_options(options),
         )
         super().__init__(params, defaults, AdEMAMixBase())
 
@@ -154,8 +158,7 @@ class NormMD(MDOptimizer):
     def __init__(self, params: Iterable[Any], lr: float, gains_lr: float = 1e-3, momentum: float = 0.95,
                  nesterov: bool = True, scale_mode: str = "shape_up", *,
                  gains_betas: tuple[float, float] = (0.9, 0.99), gains_eps: float = 1e-8, **options):
-        if lr < 0 or gains_lr < 0:
-            raise ValueError(f"learning rates must be >= 0, got lr={lr}, gains_lr={gains_lr}")
+        _check_lrs(lr, gains_lr)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         defaults = dict(lr=lr, gains_lr=gains_lr, momentum=momentum, nesterov=nesterov, scale_mode=scale_mode,
