@@ -41,7 +41,7 @@ from .gains import (
     rho_floor,
 )
 from .geometry import SINKHORN, project_direction_, sphere_factors
-from .msign import msign, scale_factor
+from .msign import msign
 from .sphere import LOCAL_REDUCER, Reducer, blocks_sphere_scale, tangent_
 
 from .bases import BaseUpdate

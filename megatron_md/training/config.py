@@ -12,7 +12,6 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import yaml
