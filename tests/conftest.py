@@ -221,6 +221,9 @@ FULL_ONLY: dict[str, str | None] = {
     # the run: conftest.pytest_sessionfinish); make test-all proves the reset and the crash handling
     "tests/harness/test_pool.py::test_a_reused_world_runs_a_case_bit_identically_to_a_fresh_one": None,
     "tests/harness/test_pool.py::test_a_rank_that_raises_ends_its_world_and_the_next_job_gets_a_new_one": None,
+    # --log-update-norms: the quick tier keeps its refusal; the TP2 x EP2 comparison (three runs) is full-only
+    "tests/training/observability/test_diagnostics.py::test_update_norms_at_tp2_ep2_match_one_rank_and_leave_training_alone":
+        None,
     # SLURM smoke step run for real: kept test_smoke_step_runs_on_every_node_then_the_run_starts
     "tests/slurm/test_pretrain_sbatch.py::test_a_failed_smoke_step_stops_the_job_before_the_run": None,
 }

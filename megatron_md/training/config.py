@@ -259,6 +259,10 @@ class LoggingConfig:
         100, "Every N steps log per-matrix σ_max/σ_min/‖Off(WᵀW)‖/‖W‖, MD gains, attention max logit "
         "and entropy (0: off; rounded up to a multiple of --log-interval).", valid=">=0"
     )
+    log_update_norms: bool = opt(
+        False, "With --diagnostics-interval, also log each hidden matrix's relative update over the diagnostics "
+        "step, ‖W_t − W_{t−1}‖_F/‖W_{t−1}‖_F (diag/<matrix>/rel_update): which matrices an LR moves most. Holds "
+        "one copy of the hidden matrices, in their own dtype, through that one step.")
 
 
 @dataclass

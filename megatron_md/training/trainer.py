@@ -131,6 +131,7 @@ class Trainer:
         from megatron_md.training.observability.diagnostics import AttentionProbe
 
         self.probe = AttentionProbe(ckpt.unwrap(self.model)) if cfg.logging.diagnostics_interval else None
+        self.before_update: dict | None = None  # --log-update-norms: the matrices before a diagnostics step
         self.qk = self._qk_clip()
         self.preemption = PreemptionWatch(cfg.training.exit_signal_handler)
         self.preempted_by: str | None = None
@@ -276,6 +277,11 @@ class Trainer:
         it = self.state.iteration + 1
         if self.probe is not None:
             self.probe.armed = self._diagnostics_due(it)
+            if self.probe.armed and self.cfg.logging.log_update_norms:
+                from megatron_md.training.observability.diagnostics import snapshot
+
+                with self.params_synced():
+                    self.before_update = snapshot(self.model)
         if self.qk is not None:
             self.qk.arm(it % self.cfg.logging.log_interval == 0 or it == t.train_iters)
         nan_now = t.inject_nan_at is not None and t.inject_nan_at <= it < t.inject_nan_at + t.inject_nan_iters
@@ -535,7 +541,8 @@ class Trainer:
             from megatron_md.training.observability.diagnostics import collect
 
             with self.params_synced():
-                diag = collect(self.model, self.hooks.matrix_gains(self.optimizer), self.probe)
+                diag = collect(self.model, self.hooks.matrix_gains(self.optimizer), self.probe, self.before_update)
+            self.before_update = None
             rec.update(diag)
             for line in self.hooks.observe(self.optimizer, diag):
                 self.logger.print(line)

@@ -38,6 +38,8 @@ def validate_config(cfg: RunConfig, world_size: int) -> None:
     errors += data_errors(cfg) + moe_layer_errors(cfg) + input_errors(cfg) + checkpoint_dir_errors(cfg)
     errors += performance_errors(cfg, world_size)
     errors += backend_errors(cfg)
+    if cfg.logging.log_update_norms and not cfg.logging.diagnostics_interval:
+        errors.append("--log-update-norms is measured on diagnostics steps: add --diagnostics-interval N (N > 0)")
     if errors:
         raise ConfigError("invalid settings:\n  - " + "\n  - ".join(errors))
 

@@ -1,9 +1,10 @@
 """Weight-geometry and attention diagnostics, cheap enough to leave on.
 
 Every log interval: per hidden matrix σ_max, σ_min, ‖Off(WᵀW)‖_F and ‖W‖_F (TP shards gathered
-first), MD gain statistics where MD manages the matrix, and per layer the max attention logit and
-mean attention entropy of the interval's last micro-batch (first sequence). The values land in
-``metrics.jsonl`` (keys ``diag/...``), TensorBoard and W&B; ``tools/plot_spectra.py`` draws them.
+first), MD gain statistics where MD manages the matrix, with ``--log-update-norms`` its relative
+update over that step, and per layer the max attention logit and mean attention entropy of the
+interval's last micro-batch (first sequence). The values land in ``metrics.jsonl`` (keys
+``diag/...``), TensorBoard and W&B; ``tools/plot_spectra.py`` draws them.
 """
 
 from __future__ import annotations
@@ -236,22 +237,47 @@ class AttentionProbe:
         return out
 
 
-def weight_diagnostics(model, gains: dict) -> dict[str, float]:
-    """This rank's share of the matrix statistics (TP rank 0 of each group reports); ``gains``: {md_key: (row,
-    column gains)} of the matrices whose optimizer keeps gains (the family's ``RunHooks.matrix_gains``)."""
+def _labelled_matrices(model):
+    """(name, parameter, label) of every hidden matrix the diagnostics report, in module order."""
     from megatron.core.utils import unwrap_model as unwrap
 
-    out: dict[str, float] = {}
     for name, p in unwrap(model).named_parameters():
+        lab = label(getattr(p, "md_key", name))
+        if lab is not None and p.ndim == 2:
+            yield name, p, lab
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    """This rank's shard of every reported matrix, copied in its own dtype: the "before" of a relative update."""
+    return {name: p.detach().clone() for name, p, _ in _labelled_matrices(model)}
+
+
+def _rel_update(p: torch.Tensor, before: torch.Tensor) -> float:
+    """‖W − W_before‖_F / ‖W_before‖_F of the whole matrix: the shards' squared norms summed over TP (a collective
+    of the matrix's TP group, so every rank of it must call)."""
+    sums = torch.stack([(p.detach().float() - before.float()).square().sum(), before.float().square().sum()])
+    if getattr(p, "tensor_model_parallel", False):
+        group = ps.get_expert_tensor_parallel_group() if getattr(p, "expert_tp", False) else ps.get_tensor_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(sums, group=group)
+    return math.sqrt(sums[0].item() / sums[1].item()) if sums[1].item() > 0 else float("nan")
+
+
+def weight_diagnostics(model, gains: dict, before: dict | None = None) -> dict[str, float]:
+    """This rank's share of the matrix statistics (TP rank 0 of each group reports); ``gains``: {md_key: (row,
+    column gains)} of the matrices whose optimizer keeps gains (the family's ``RunHooks.matrix_gains``);
+    ``before``: a ``snapshot`` from before this step's update, for each matrix's ``rel_update``."""
+    out: dict[str, float] = {}
+    for name, p, lab in _labelled_matrices(model):
         key = getattr(p, "md_key", name)
-        lab = label(key)
-        if lab is None or p.ndim != 2:
-            continue
         W = _gather_full(p)
+        rel = _rel_update(p, before[name]) if before is not None and name in before else None
         tp_rank = (ps.get_expert_tensor_parallel_rank() if getattr(p, "expert_tp", False)
                    else ps.get_tensor_model_parallel_rank())
         if tp_rank != 0:
             continue
+        if rel is not None:
+            out[f"diag/{lab}/rel_update"] = rel
         for k, v in matrix_stats(W).items():
             out[f"diag/{lab}/{k}"] = v
         for axis, g in zip(("row", "col"), gains.get(key, (None, None))):
@@ -262,10 +288,10 @@ def weight_diagnostics(model, gains: dict) -> dict[str, float]:
     return out
 
 
-def collect(model, gains: dict, probe: AttentionProbe | None) -> dict[str, float]:
-    """Gather every rank's diagnostics (all ranks must call); returns the merged dict (``gains``: as
+def collect(model, gains: dict, probe: AttentionProbe | None, before: dict | None = None) -> dict[str, float]:
+    """Gather every rank's diagnostics (all ranks must call); returns the merged dict (``gains``, ``before``: as
     ``weight_diagnostics``)."""
-    local = weight_diagnostics(model, gains)
+    local = weight_diagnostics(model, gains, before)
     if probe is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         local.update({f"diag/{k}": v for k, v in probe.take().items()})
     elif probe is not None:

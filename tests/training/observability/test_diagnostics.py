@@ -144,3 +144,41 @@ def test_attention_probe_on_a_model(mcore_world):
     assert set(got) == {"L0.max_logit", "L0.attn_entropy", "L1.max_logit", "L1.attn_entropy"}
     assert 0 < got["L0.attn_entropy"] < math.log(16)
     assert math.isfinite(got["L1.max_logit"])
+
+
+@pytest.mark.multirank
+@pytest.mark.e2e
+def test_update_norms_at_tp2_ep2_match_one_rank_and_leave_training_alone(tmp_path):
+    """--log-update-norms: every hidden matrix (attention, experts, router) gets its relative update over the
+    diagnostics step; TP2 x EP2 sums the shards to one rank's value, and the copy it takes changes no loss."""
+    from mdtest import MD_LAYOUT_FLAGS, md_seed, run_cli, train_records
+
+    seed = md_seed("tiny-moe")
+    common = ["train", "--model", "tiny-moe", *MD_LAYOUT_FLAGS, "--pretrained-checkpoint", str(seed),
+              "--train-iters", "3", "--diagnostics-interval", "3"]
+
+    def run(name, *extra):
+        run_cli([*common, "--run-dir", str(tmp_path / name), *extra])
+        return train_records(tmp_path / name)
+
+    plain = run("plain")
+    one = run("one", "--log-update-norms")
+    split = run("tp2-ep2", "--log-update-norms", "--nproc-per-node", "2", "--tensor-model-parallel-size", "2",
+                "--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1")
+    assert [r["lm_loss"] for r in one] == [r["lm_loss"] for r in plain]
+    assert not any(k.endswith("rel_update") for r in plain for k in r)
+    got = {k: v for k, v in one[-1].items() if k.endswith("/rel_update")}
+    roles = {k.split("/")[1].split(".", 1)[1] for k in got}
+    assert {"attention.qkv", "attention.proj", "router", "expert0.fc1", "expert3.fc2"} <= roles, roles
+    assert all(0 < v < 0.5 for v in got.values()), got
+    assert {k: v for k, v in split[-1].items() if k.endswith("/rel_update")} == pytest.approx(got, rel=1e-3)
+    assert not any(k.endswith("rel_update") for k in one[0])  # only on diagnostics steps
+
+
+def test_update_norms_need_diagnostics():
+    from megatron_md.training.config import resolve
+    from megatron_md.training.validate import ConfigError, validate_config
+
+    cfg = resolve("tiny-dense", None, {"diagnostics_interval": 0, "log_update_norms": True, "mock_data": True})
+    with pytest.raises(ConfigError, match="--log-update-norms .* --diagnostics-interval"):
+        validate_config(cfg, 1)
