@@ -124,17 +124,62 @@ def render_lr_transfer(repo: Path, rec: Path | None = None) -> str:
             continue
         per = best[opt]
         first = next(iter(per.values()))
-        cells = []
-        for w in widths:
-            b = per.get(w)
-            if b is None:
-                cells.append("–")
-            elif b.lr is None:
-                cells.append("all diverged")
-            else:
-                cells.append(f"k={b.k:g} ({b.lr:.3g}){'' if b.inside else ' †'}: {_loss(b)} (n={b.n})")
+        cells = [_best_cell(per.get(w)) for w in widths]
         lines.append(f"| `{opt}` | {first.warmup}, {first.weight_decay:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _best_cell(b) -> str:
+    if b is None:
+        return "–"
+    if b.lr is None:
+        return "all diverged"
+    return f"k={b.k:g} ({b.lr:.3g}){'' if b.inside else ' †'}: {_loss(b)} (n={b.n})"
+
+
+def render_moe_lr_transfer(repo: Path, rec: Path | None = None) -> str:
+    """The MoE record: its width table as the dense one's, the expert-count axis, the diagnostics reruns."""
+    R = _records()
+    from megatron_md.sweep import moe_records as M
+
+    rec = rec or R.latest(repo, "moe-lr-transfer")
+    if rec is None:
+        return _no_record("moe-lr-transfer")
+    parts = [render_lr_transfer(repo, rec)]
+    probe = rec / "checks" / "probe" / "results.csv"
+    if probe.exists():  # the regime check, with more seeds than the record at its widths' optima
+        from megatron_md.sweep.curvature import curvature, curvature_markdown
+        from megatron_md.sweep.results import read_csv
+
+        rows = read_csv(probe)
+        parts.append(f"The probe: rise of the final eval loss one factor 2 in LR either side of each curve's optimum, "
+                     f"in standard errors over up to {len({r['seed'] for r in rows})} seeds (unpaired; paired: of "
+                     f"the per-seed differences). From `{probe.relative_to(repo).as_posix()}`.\n\n"
+                     + curvature_markdown(curvature(rows)))
+    axis = M.expert_axis(rec)
+    if axis:
+        counts = sorted({n for per in axis.values() for n in per})
+        lines = ["Best LR per number of experts (top-2, one width; the same ladder and loss).", "",
+                 "| optimizer | " + " | ".join(f"{n} experts" for n in counts) + " |", "|---|" + "---|" * len(counts)]
+        for opt in sorted(axis):
+            lines.append(f"| `{opt}` | " + " | ".join(_best_cell(axis[opt].get(n)) for n in counts) + " |")
+        parts.append("\n".join(lines))
+    diag = M.diagnostics(rec, R.latest(repo, "lr-transfer"))
+    if diag:
+        lines = ["Diagnostics reruns at each width's best LR (seed 1): mean relative update per step "
+                 "‖ΔW‖_F/‖W‖_F of each group's matrices after the warmup, mean expert load (busiest and idlest "
+                 "expert over the mean), and the rerun's final eval loss (= when equal to its cell's to every digit).",
+                 "", "| model | optimizer | width | k | attention | dense MLP | experts | router | expert load "
+                 "max/min | final eval loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for d in diag:
+            upd = [f"{d.rel_update[g]:.2e}" if g in d.rel_update else "–" for g in M.GROUPS]
+            load = f"{d.load_max:.2f}/{d.load_min:.2f}" if d.load_max is not None else "–"
+            same = {True: " (=)", False: f" (cell {d.cell_eval_loss:.4f})", None: ""}[d.reproduces]
+            loss = f"{d.final_eval_loss:.4f}{same}" if d.final_eval_loss is not None else "–"
+            lines.append(f"| {d.family} | `{d.optimizer}` | {d.width} | {d.k:g} | " + " | ".join(upd)
+                         + f" | {load} | {loss} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def render_md_ablations(repo: Path, rec: Path | None = None) -> str:
@@ -227,13 +272,13 @@ def render_qk_clip(repo: Path, rec: Path | None = None) -> str:
 def render_claims(repo: Path, only: Path | None = None) -> str:
     """Every claim of the judged records (records.judged), or (``only``) the claims that one record judges."""
     R = _records()
-    from megatron_md.sweep import qk_clip_records
+    from megatron_md.sweep import moe_records, qk_clip_records
 
     claims = []
     transfer = R.latest(repo, "lr-transfer")  # the ablations compare against its Muon
     judges = {"lr-transfer": R.lr_transfer_claims, "manifold-geometry": R.manifold_claims,
               "md-ablations": lambda rec, rel: R.ablation_claims(rec, rel, transfer),
-              "qk-clip": lambda rec, rel: qk_clip_records.claims(rec, rel, repo)}
+              "qk-clip": lambda rec, rel: qk_clip_records.claims(rec, rel, repo), "moe-lr-transfer": moe_records.claims}
     for kind in CLAIM_KINDS:
         for rec in R.judged(repo, kind):
             if only is None or Path(only).resolve() == rec.resolve():
@@ -281,6 +326,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "records_regime_probe": render_regime_probe,
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",
                                         "final loss vs LR per width, optimum marked"),
+    "records_moe_lr_transfer": with_figures(render_moe_lr_transfer, "moe-lr-transfer", "lr_transfer.png",
+                                            "final loss vs LR per width on the MoE model, optimum marked"),
     "records_md_ablations": with_figures(render_md_ablations, "md-ablations", "ablations.png",
                                          "final loss vs matrix LR per MuonMD variant"),
     "records_manifold": with_figures(render_manifold, "manifold-geometry", "spectra_*.png",
@@ -376,13 +423,13 @@ def render(text: str, repo: Path, names=None, page: Path | None = None) -> str:
 
 RECORD_KINDS = {"lr-transfer": render_lr_transfer, "md-ablations": render_md_ablations,
                 "manifold-geometry": render_manifold, "regime-probe": render_regime_probe,
-                "qk-clip": render_qk_clip}
-CLAIM_KINDS = ("lr-transfer", "md-ablations", "manifold-geometry", "qk-clip")  # a probe judges no claim of the papers
+                "qk-clip": render_qk_clip, "moe-lr-transfer": render_moe_lr_transfer}
+CLAIM_KINDS = ("lr-transfer", "moe-lr-transfer", "md-ablations", "manifold-geometry", "qk-clip")  # a probe judges none
 
 
 def record_kind(name: str):
-    """The kind of a record directory, from the end of its name (None if it is none of them)."""
-    return next((k for k in RECORD_KINDS if name.endswith("-" + k)), None)
+    """The kind of a record directory, from the end of its name; the longest wins (None if it is none of them)."""
+    return max((k for k in RECORD_KINDS if name.endswith("-" + k)), key=len, default=None)
 
 
 def render_record(readme_text: str, repo: Path, rec: Path) -> str:

@@ -1,9 +1,10 @@
 """Summaries and claim verdicts of the CPU records kept under ``records/<date>-<name>/``.
 
-Three kinds of record, found by the end of their directory name (the newest date wins; a record holding an
+Kinds of record, found by the end of their directory name (the newest date wins; a record holding an
 ``IN_PROGRESS`` file is passed over):
 
-- ``*-lr-transfer``: one ``lr-sweep`` over widths x optimizers x LRs x seeds (``results.csv``);
+- ``*-lr-transfer``: one ``lr-sweep`` over widths x optimizers x LRs x seeds (``results.csv``); ``*-moe-lr-transfer``
+  the same on an MoE model, with its expert-count axis and diagnostics in ``moe_records.py``;
 - ``*-md-ablations``: one ``lr-sweep`` per MuonMD variant at one width, ``variants/<name>/results.csv``;
 - ``*-manifold-geometry``: one ``lr-sweep`` per geometry preset and LR set,
   ``<set>/<preset>/results.csv`` with the cells' ``metrics.jsonl`` (spectra, max attention logit).
@@ -35,7 +36,14 @@ SPIKE_NATS = 1.0  # a logged train loss this far above its running minimum count
 
 RESULTS_GLOB = {"lr-transfer": "results.csv", "md-ablations": "variants/*/results.csv",
                 "manifold-geometry": "*/*/results.csv", "regime-probe": "results.csv",
-                "qk-clip": "*/*/results.csv"}  # qk-clip: tables and claims in qk_clip_records.py
+                "qk-clip": "*/*/results.csv",  # qk-clip: tables and claims in qk_clip_records.py
+                "moe-lr-transfer": "results.csv"}  # its expert axis and diagnostics: moe_records.py
+
+
+def kind_of(name: str) -> Optional[str]:
+    """The kind a record directory's name ends with; the longest wins (``…-moe-lr-transfer`` is not an
+    ``lr-transfer`` record)."""
+    return max((k for k in RESULTS_GLOB if name.endswith("-" + k)), key=len, default=None)
 
 
 # A record still being run (over several sessions) holds this file, saying what is left: its cells are kept as
@@ -55,7 +63,7 @@ def in_progress(rec: Path) -> bool:
 def finished(repo: Path, kind: str) -> list[Path]:
     """Every finished ``records/*-<kind>`` directory that holds results, oldest first (by its dated name)."""
     return sorted(p for p in (Path(repo) / "records").glob(f"*-{kind}")
-                  if any(p.glob(RESULTS_GLOB[kind])) and not in_progress(p))
+                  if kind_of(p.name) == kind and any(p.glob(RESULTS_GLOB[kind])) and not in_progress(p))
 
 
 # A manifold record's sets (an LR, a length, a schedule) are experiments of their own, not reruns of an older
@@ -180,7 +188,7 @@ def combine(verdicts: list[str]) -> str:
     return INCONCLUSIVE
 
 
-# ----------------------------------------------------------------------------- the three records
+# ----------------------------------------------------------------------------- the records
 
 
 def lr_transfer(record: Path) -> dict[str, dict[int, Best]]:
@@ -325,7 +333,8 @@ def _gap(name: str, verdict: str, gap: float, noise: float) -> str:
     return f"{name} {gap:+.4f}{band}"
 
 
-def lr_transfer_claims(record: Path, rel: str) -> list[Claim]:
+def lr_transfer_claims(record: Path, rel: str, scope: str = "") -> list[Claim]:
+    """The width claims of an LR-transfer record; ``scope`` prefixes their wording (``"MoE: "``)."""
     best = lr_transfer(record)
     claims = []
     need = ("muon_md", "muon", "adamw")
@@ -337,35 +346,41 @@ def lr_transfer_claims(record: Path, rel: str) -> list[Claim]:
             v2, g2, n2 = compare(best["muon"][w], best["adamw"][w])
             verdicts += [v1, v2]
             parts.append(f"w{w}: {_gap('Muon−MuonMD', v1, g1, n1)}, {_gap('AdamW−Muon', v2, g2, n2)}")
-        claims.append(Claim("MuonMD < Muon < AdamW in loss at each one's best LR (MuonMD with no warmup and no "
-                            "weight decay; the others with both)", combine(verdicts), "; ".join(parts), rel))
-    for opt, label in (("muon_md", "MuonMD's best matrix LR stays within one √2 grid step across width"),):
-        if opt not in best or len(best[opt]) < 2:
-            continue
-        curves = [best[opt][w] for w in sorted(best[opt])]
-        # On a grid coarser than √2 (k steps of 2: factor-2 LRs) the arg-min moves in whole grid steps, so the
-        # optimum is placed by the parabola through the arg-min and its neighbours (decided before those records ran)
-        coarse = any((c.spacing or 1) > 1 for c in curves)
-        ks = [c.vertex_k if coarse else c.k for c in curves]
-        if any(k is None for k in ks) or not all(c.inside for c in curves):
-            verdict = INCONCLUSIVE  # an optimum on the grid's edge (or none) is not located
-        else:
-            verdict = HELD if max(abs(k - ks[0]) for k in ks) <= 1 else NOT_HELD
-        shown = ", ".join((f"w{c.width}: k={c.k:g}" + (f" (parabola {c.vertex_k:.2f})" if coarse and c.vertex_k
-                                                        is not None else "")) if c.k is not None else
-                          f"w{c.width}: none" for c in curves)
-        others = []
-        for o in ("adamw", "muon"):
-            if o in best and len(best[o]) > 1:
-                # measured like MuonMD's: by the parabola's vertex on a coarse grid, so the three compare
-                oks = [(c.vertex_k if coarse else c.k) for c in (best[o][w] for w in sorted(best[o]))]
-                oks = [k for k in oks if k is not None]
-                if oks:
-                    spread = max(oks) - min(oks)
-                    others.append(f"{o} moves {spread:.2f} steps by the parabola" if coarse
-                                  else f"{o} moves {spread:g} step{'' if spread == 1 else 's'}")
-        claims.append(Claim(label, verdict, shown + (" (" + "; ".join(others) + ")" if others else ""), rel))
-    return claims
+        claims.append(Claim(f"{scope}MuonMD < Muon < AdamW in loss at each one's best LR (MuonMD with no warmup and "
+                            "no weight decay; the others with both)", combine(verdicts), "; ".join(parts), rel))
+    drift = drift_claim(f"{scope}MuonMD's best matrix LR stays within one √2 grid step across width", best, "w", rel)
+    return claims + ([drift] if drift else [])
+
+
+def drift_claim(label: str, best: dict[str, dict[int, Best]], axis: str, rel: str) -> Optional[Claim]:
+    """"MuonMD's optimum stays within one √2 step" along one axis (``best``: optimizer -> axis value -> Best;
+    ``axis`` names a value in the evidence, ``w`` for width), with how far the other optimizers move."""
+    if "muon_md" not in best or len(best["muon_md"]) < 2:
+        return None
+    curves = [best["muon_md"][x] for x in sorted(best["muon_md"])]
+    # On a grid coarser than √2 (k steps of 2: factor-2 LRs) the arg-min moves in whole grid steps, so the
+    # optimum is placed by the parabola through the arg-min and its neighbours (decided before those records ran)
+    coarse = any((c.spacing or 1) > 1 for c in curves)
+    ks = [c.vertex_k if coarse else c.k for c in curves]
+    if any(k is None for k in ks) or not all(c.inside for c in curves):
+        verdict = INCONCLUSIVE  # an optimum on the grid's edge (or none) is not located
+    else:
+        verdict = HELD if max(abs(k - ks[0]) for k in ks) <= 1 else NOT_HELD
+    values = sorted(best["muon_md"])
+    shown = ", ".join((f"{axis}{x}: k={c.k:g}" + (f" (parabola {c.vertex_k:.2f})" if coarse and c.vertex_k
+                                                  is not None else "")) if c.k is not None else f"{axis}{x}: none"
+                      for x, c in zip(values, curves))
+    others = []
+    for o in ("adamw", "muon"):
+        if o in best and len(best[o]) > 1:
+            # measured like MuonMD's: by the parabola's vertex on a coarse grid, so they compare
+            oks = [(c.vertex_k if coarse else c.k) for c in (best[o][x] for x in sorted(best[o]))]
+            oks = [k for k in oks if k is not None]
+            if oks:
+                spread = max(oks) - min(oks)
+                others.append(f"{o} moves {spread:.2f} steps by the parabola" if coarse
+                              else f"{o} moves {spread:g} step{'' if spread == 1 else 's'}")
+    return Claim(label, verdict, shown + (" (" + "; ".join(others) + ")" if others else ""), rel)
 
 
 def same_regime(a: Path, b: Path, width: int) -> bool:
