@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# LR transfer across width on an MoE model: the dense record's second CPU regime (records/2026-12-04-lr-transfer)
+# with an MoE layer in every layer (examples/lr_transfer/moe_cpu_sp512.yaml: 8 experts, top-2, experts 2x the
+# width, aux loss 1e-2). Widths 64, 128, 256; AdamW and Muon (10% warmup, weight decay 0.1) against MuonMD
+# (neither), seeds 1-3; then the probe's extra seeds, the expert-count axis and the diagnostics reruns.
+# Rerun into runs/records/2026-12-07-moe-lr-transfer (OUT=... to change; records/ is never written). Resumable, a
+# stopped cell too (--resume-cells: it checkpoints on SIGTERM and every 25 steps); two cells at a time (--jobs 2).
+# Each curve starts as three LRs a factor 2 apart around where width 64 (or the dense record at that width) put its
+# optimum, and --extend-edges walks it outwards until the optimum is strictly inside.
+# Cost per cell on one core of two busy ones: ~85 s at width 64, 6-8 min at 256.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-runs/records/2026-12-07-moe-lr-transfer}
+export OMP_NUM_THREADS=1
+CONFIG=examples/lr_transfer/moe_cpu_sp512.yaml
+sweep() {
+  .venv/bin/megatron-md lr-sweep --config "$CONFIG" --corpus runs/records_data_sp512 \
+    --corpus-vocab 512 --out "$OUT" --log-interval 10 --no-plot --k-step 2 --extend-edges 3 --jobs 2 \
+    --resume-cells --cell-save-interval 25 "$@"
+}
+MDLR=(--lr 3e-3 --embedding-lr 3e-3)       # MuonMD's fixed non-matrix LRs at every width (the dense record's)
+NS32=(--muon-fp32-matmul-prec highest)      # megatron's Muon with fp32 Newton-Schulz (the CPU default)
+run_width() {  # width, seeds, then the start ranges of muon_md, adamw and muon
+  sweep --widths "$1" --seeds "$2" --optimizers muon_md --k-range "muon_md=$3" -- "${MDLR[@]}"
+  sweep --widths "$1" --seeds "$2" --optimizers adamw --k-range "adamw=$4"
+  sweep --widths "$1" --seeds "$2" --optimizers muon --k-range "muon=$5" -- "${NS32[@]}"
+}
+run_width 64 1,2,3 11:15 2:6 4:8
+# Halfway points (odd k) for AdamW and Muon, whose factor-2 curves were flat at width 64:
+sweep --widths 64 --seeds 1,2,3 --optimizers adamw --k-range adamw=7:9 --extend-edges 0
+sweep --widths 64 --seeds 1,2,3 --optimizers muon --k-range muon=5:7 --extend-edges 0 -- "${NS32[@]}"
+run_width 256 1,2,3 9:13 5:9 2:6  # around the dense record's width-256 optima (k=11, 7, 3)
+
+# The probe (does each curve rise by 2 standard errors a factor 2 either side of its optimum?): seeds 1-5 at the
+# optimum and its factor-2 neighbours, in checks/probe; seeds 1-3 are the record's own cells, copied.
+reuse() {  # copy the record's seed 1-3 cells of optimizer $1 at width $2, k from $3 to $4 (every second), into $5
+  local k d
+  for ((k = $3; k <= $4; k += 2)); do
+    for d in "$OUT/cells/$1-w$2-k$k-s"[123]-*; do [ -e "$5/cells/${d##*/}" ] || cp -r "$d" "$5/cells/"; done
+  done
+}
+probe() {  # width, then per optimizer the LO:HI of its probe
+  local w=$1 p=$OUT/checks/probe
+  mkdir -p "$p/cells"
+  reuse muon_md "$w" "${2%:*}" "${2#*:}" "$p"
+  reuse adamw "$w" "${3%:*}" "${3#*:}" "$p"
+  reuse muon "$w" "${4%:*}" "${4#*:}" "$p"
+  sweep --out "$p" --extend-edges 0 --widths "$w" --seeds 1,2,3,4,5 --optimizers muon_md --k-range "muon_md=$2" \
+    -- "${MDLR[@]}"
+  sweep --out "$p" --extend-edges 0 --widths "$w" --seeds 1,2,3,4,5 --optimizers adamw --k-range "adamw=$3"
+  sweep --out "$p" --extend-edges 0 --widths "$w" --seeds 1,2,3,4,5 --optimizers muon --k-range "muon=$4" \
+    -- "${NS32[@]}"
+}
+probe 64 11:15 6:10 3:7
+.venv/bin/python tools/plot_lr_transfer.py "$OUT/results.csv"
