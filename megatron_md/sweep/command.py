@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
                    "power loss) loses at most N steps.")
     p.add_argument("--max-cells", type=int, help="Stop after running this many new cells (rerun to continue).")
     p.add_argument("--retry-failed", action="store_true", help="Rerun cells that failed (not diverged ones).")
+    p.add_argument("--replace-changed", action="store_true", help="Rerun finished cells whose recorded train flags "
+                   "differ from this sweep's, replacing their results (without it the sweep refuses to start).")
     p.add_argument("--dry-run", action="store_true", help="Print every cell's command; run nothing.")
     p.add_argument("--slurm-grid", metavar="FILE", help="Write the grid as slurm/lr_sweep.sbatch's TSV and print "
                    "the sbatch command; run nothing.")
@@ -262,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise G.GridError(f"--collect {a.collect}: no such directory (slurm/lr_sweep.sbatch's OUT)")
             collected = sum(runner.collect_slurm(spec, Path(a.collect), out, log)["collected"] for spec in specs)
             return _write_results(a, out, log) if collected else 1
+        for spec in specs:  # every spec's cells before any runs
+            runner.refuse_changed(spec, out, spec.cells(), a.replace_changed)
         rc = 0
         for spec in specs:
             rc = _sweep(spec, a, out, log) or rc
@@ -297,7 +301,8 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
     try:
         counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
                                   on_result=lambda: results.write_all(out), log=log, jobs=a.jobs,
-                                  resume=a.resume_cells, save_interval=a.cell_save_interval)
+                                  resume=a.resume_cells, save_interval=a.cell_save_interval,
+                                  replace_changed=a.replace_changed)
         failed = counts["failed"]
         for round_ in range(1, a.extend_edges + 1):
             if counts["left"]:
@@ -309,7 +314,8 @@ def _sweep(spec: G.SweepSpec, a, out: Path, log) -> int:
                 + ", ".join(sorted({f"{c.optimizer} w{c.width} lr {c.lr:.3g}" for c in new})))
             counts = runner.run_sweep(spec, out, max_cells=a.max_cells, retry_failed=a.retry_failed,
                                       on_result=lambda: results.write_all(out), log=log, jobs=a.jobs,
-                                      resume=a.resume_cells, save_interval=a.cell_save_interval)
+                                      resume=a.resume_cells, save_interval=a.cell_save_interval,
+                                      replace_changed=a.replace_changed)
             failed += counts["failed"]
         if failed:
             log(f"[lr-sweep] {failed} cells failed (recorded as diverged; --retry-failed reruns them)")

@@ -341,12 +341,43 @@ def finished(spec: SweepSpec, cell: Cell, out: Path, retry_failed: bool) -> Opti
     return res
 
 
+def _flag_diff(then: list, now: list) -> str:
+    """What changed between two flag lists, as ``was X; now Y``."""
+    import difflib
+
+    parts = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=then, b=now, autojunk=False).get_opcodes():
+        if op in ("delete", "replace"):
+            parts.append("was " + shlex.join(then[i1:i2]))
+        if op in ("insert", "replace"):
+            parts.append("now " + shlex.join(now[j1:j2]))
+    return "; ".join(parts)
+
+
+def refuse_changed(spec: SweepSpec, out: Path, cells: list[Cell], replace: bool = False) -> None:
+    """GridError when a cell of this sweep already holds a result made with other train flags: running would
+    replace it (a cell's name carries its grid point, not the flags after ``--``). ``replace``: allowed."""
+    changed = []
+    for cell in cells:
+        res = load_result(cell_dir(out, cell) / RESULT)
+        if res is not None and res.get("args") != spec.train_args(cell):
+            changed.append(f"{cell.name} ({_flag_diff(list(res.get('args') or []), spec.train_args(cell))})")
+    if changed and not replace:
+        raise GridError(f"{len(changed)} finished cell(s) in {out} were run with other train flags, and this sweep "
+                        f"would replace their results: {changed[0]}" + (f" and {len(changed) - 1} more" if
+                                                                         len(changed) > 1 else "")
+                        + ". Give this sweep its own --out (a value after -- is not part of a cell's name), or "
+                        "pass --replace-changed to rerun them.")
+
+
 def run_sweep(spec: SweepSpec, out: Path, *, max_cells: Optional[int] = None, retry_failed: bool = False,
               on_result: Optional[Callable[[], None]] = None, log: Callable[[str], None] = print,
-              jobs: int = 1, resume: bool = False, save_interval: Optional[int] = None) -> dict:
+              jobs: int = 1, resume: bool = False, save_interval: Optional[int] = None,
+              replace_changed: bool = False) -> dict:
     """Run every unfinished cell in order, ``jobs`` at a time; stop after ``max_cells`` new ones. A cell another
     sweep is running (its lock is held) is skipped and counted as ``busy``. ``resume``/``save_interval``: as
-    run_cell's. Returns counts."""
+    run_cell's. A finished cell made with other flags is refused (``refuse_changed``) unless ``replace_changed``.
+    Returns counts."""
     printing = threading.Lock()
 
     def log_line(msg: str, _log=log) -> None:  # whole lines, whichever cell's thread logs
@@ -355,6 +386,7 @@ def run_sweep(spec: SweepSpec, out: Path, *, max_cells: Optional[int] = None, re
 
     log = log_line
     cells = spec.cells()
+    refuse_changed(spec, out, cells, replace_changed)
     # every cell's flags checked before any runs, as the cell will run them
     configs = {c.name: resolve_cell(spec, c, more=tuple(local_flags(out, c, resume, save_interval))) for c in cells}
     params = {}

@@ -52,4 +52,16 @@ probe() {  # width, then per optimizer the LO:HI of its probe
     -- "${NS32[@]}"
 }
 probe 64 11:15 6:10 3:7
+
+# The diagnostics reruns: each width's optimum, seed 1, with per-matrix relative updates and the expert load logged;
+# the dense ones rerun the dense record's cells (same flags, so each must end on that cell's loss).
+DIAG=(--diagnostics-interval 20 --log-update-norms)
+diagnose() {  # family (moe or dense), width, then the best k of muon_md, adamw and muon there
+  local cfg=$CONFIG d=(--out "$OUT/checks/diagnostics-$1" --extend-edges 0 --jobs 1 --seeds 1 --widths "$2")
+  [ "$1" = dense ] && cfg=examples/lr_transfer/dense_cpu_sp512.yaml
+  CONFIG=$cfg sweep "${d[@]}" --optimizers muon_md --k-range "muon_md=$3:$3" -- "${MDLR[@]}" "${DIAG[@]}"
+  CONFIG=$cfg sweep "${d[@]}" --optimizers adamw --k-range "adamw=$4:$4" -- "${DIAG[@]}"
+  CONFIG=$cfg sweep "${d[@]}" --optimizers muon --k-range "muon=$5:$5" -- "${NS32[@]}" "${DIAG[@]}"
+}
+diagnose moe 64 13 8 5
 .venv/bin/python tools/plot_lr_transfer.py "$OUT/results.csv"

@@ -386,3 +386,25 @@ def test_every_optimizer_is_sweepable_by_its_family_s_recipe(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split("--optimizer ")[1].split()[0] for line in lines] == ["ademamix_md", "norm_md"]
     assert all("--matrix-lr" in line and "--weight-decay 0.0" in line for line in lines)
+
+
+def test_a_finished_cell_made_with_other_flags_is_never_replaced(tmp_path, capsys):
+    """Cell names carry the grid point, not the flags after --: a sweep into an --out whose cell holds a result of
+    other flags (another expert count, say) refuses before running anything, naming the flags."""
+    out = tmp_path / "o"
+    own = ["--model", "tiny-dense", "--out", str(out), "--widths", "32", "--lrs", "0.01", "--optimizers", "adamw",
+           "--steps", "4"]
+    (s,) = command.build_specs(command.parser().parse_args(own), list(TINY))
+    (cell,) = s.cells()
+    result = runner.cell_dir(out, cell) / runner.RESULT
+    result.parent.mkdir(parents=True)
+    saved = json.dumps({"cell": cell.name, "status": "ok", "final_eval_loss": 5.0,
+                        "args": s.train_args(cell) + ["--num-experts", "16"]})
+    result.write_text(saved)
+    assert command.main(own + ["--", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert f"{cell.name} (was --num-experts 16)" in err and "its own --out" in err and "--replace-changed" in err
+    assert result.read_text() == saved and not (out / "sweep.json").exists()  # nothing ran, nothing rewritten
+    runner.refuse_changed(s, out, [cell], replace=True)  # --replace-changed lets it rerun
+    result.write_text(json.dumps({"cell": cell.name, "status": "ok", "args": s.train_args(cell)}))
+    runner.refuse_changed(s, out, [cell])  # the same flags: finished, skipped, nothing to refuse
