@@ -168,13 +168,14 @@ def render_moe_lr_transfer(repo: Path, rec: Path | None = None) -> str:
     if diag:
         lines = ["Diagnostics reruns at each width's best LR (seed 1): mean relative update per step "
                  "‖ΔW‖_F/‖W‖_F of each group's matrices after the warmup, mean expert load (busiest and idlest "
-                 "expert over the mean), and the rerun's final eval loss (= when equal to its cell's to every digit).",
+                 "expert over the mean), and the rerun's final eval loss: (=) when equal to its cell's to every digit, else "
+                 "the cell's minus the rerun's.",
                  "", "| model | optimizer | width | k | attention | dense MLP | experts | router | expert load "
                  "max/min | final eval loss |", "|---|---|---|---|---|---|---|---|---|---|"]
         for d in diag:
             upd = [f"{d.rel_update[g]:.2e}" if g in d.rel_update else "–" for g in M.GROUPS]
             load = f"{d.load_max:.2f}/{d.load_min:.2f}" if d.load_max is not None else "–"
-            same = {True: " (=)", False: f" (cell {d.cell_eval_loss:.4f})", None: ""}[d.reproduces]
+            same = {True: " (=)", None: ""}.get(d.reproduces, f" (cell {d.cell_eval_loss - d.final_eval_loss:+.1e})")
             loss = f"{d.final_eval_loss:.4f}{same}" if d.final_eval_loss is not None else "–"
             lines.append(f"| {d.family} | `{d.optimizer}` | {d.width} | {d.k:g} | " + " | ".join(upd)
                          + f" | {load} | {loss} |")

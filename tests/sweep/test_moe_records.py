@@ -122,6 +122,7 @@ def test_render_the_moe_block_and_its_claims(tmp_path):
                                                               curvature=0.01, noise=0.002), RESULT_COLUMNS)
     name = _diag_cell(tmp_path, "moe", "muon_md", 64, 12, 3.25, updates={"L0.router": 5e-3, "L0.expert1.fc1": 2e-3})
     _source_cell(moe, name, 3.25)
+    _source_cell(dense, _diag_cell(tmp_path, "dense", "muon_md", 64, 12, 3.5, updates={"L0.mlp.fc1": 0.01}), 3.5000001)
     names = ["records_claims", "records_lr_transfer", "records_moe_lr_transfer"]
     readme = tmp_path / "README.md"
     readme.write_text("".join(f"<!-- BEGIN {n} -->\nSTALE\n<!-- END {n} -->\n\n" for n in names))
@@ -132,6 +133,7 @@ def test_render_the_moe_block_and_its_claims(tmp_path):
     assert f"`{dense.relative_to(tmp_path)}/results.csv`" in lr_block.split("END")[0]
     assert "| `muon_md` | k=12 (0.064): 4.7000 ± 0.0007 (n=2) | k=12 (0.064)" in moe_block
     assert "| moe | `muon_md` | 64 | 12 | – | – | 2.00e-03 | 5.00e-03 | 1.26/0.80 | 3.2500 (=) |" in moe_block
+    assert "| dense | `muon_md` | 64 | 12 | – | 1.00e-02 | – | – | – | 3.5000 (cell +1.0e-07) |" in moe_block
     assert "over up to 3 seeds" in moe_block and "| muon_md | 64 | 0.064 | 4.7010 (3) | +0.0400 (" in moe_block
     assert "on the MoE model, optimum marked](records/2026-02-01-moe-lr-transfer/lr_transfer.png)" in moe_block
     claims = text.split("BEGIN records_claims")[1].split("END")[0]
