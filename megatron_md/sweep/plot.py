@@ -15,7 +15,10 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
+def plot_lr_transfer(results_csv: Path, out_png: Path, series: dict[str, Path] | None = None) -> Path:
+    """Final loss vs LR, one panel per optimizer, one curve per width; with ``series`` ({label: results.csv}, one
+    width each: an axis other than width, such as the number of experts) one curve per label instead, and
+    ``results_csv`` is only where the CSV beside the plot comes from."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,7 +26,11 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
 
     from megatron_md.sweep.results import curves, full_seed_points, read_csv
 
-    rows = read_csv(results_csv)
+    names = list(series or {})
+    if series:  # each series' rows get its index as their "width", so each draws as one curve
+        rows = [{**r, "width": i} for i, label in enumerate(names) for r in read_csv(series[label])]
+    else:
+        rows = read_csv(results_csv)
     if not rows:
         raise ValueError(f"{results_csv}: no finished cells to plot")
     by_opt = defaultdict(dict)
@@ -43,7 +50,7 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
         for (width, wu, wd), (kind, pts) in sorted(groups.items()):
             kinds.add(kind)
             good = [p for p in pts if math.isfinite(p[1])]
-            label = f"w{width}" + (f" wu{wu} wd{wd:g}" if len(variants) > 1 else "")
+            label = (names[width] if series else f"w{width}") + (f" wu{wu} wd{wd:g}" if len(variants) > 1 else "")
             style = styles[variants.index((wu, wd)) % len(styles)]
             if good:
                 x = [p[0] for p in good]
@@ -84,8 +91,8 @@ def plot_lr_transfer(results_csv: Path, out_png: Path) -> Path:
             top = min(hi, q + 2.0 * max(q - lo, 1e-3))
             ax.set_ylim(lo - 0.05 * max(top - lo, 1e-3), top + 0.05 * max(top - lo, 1e-3))
         ax.legend(fontsize=8)
-    fig.suptitle("LR transfer across width (* = optimum per width, among the LRs every seed ran (hollow: not all); "
-                 "x = diverged)")
+    fig.suptitle(f"LR transfer across {'the series' if series else 'width'} (* = optimum per curve, among the LRs "
+                 "every seed ran (hollow: not all); x = diverged)")
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
@@ -204,15 +211,22 @@ def plot_loss_curves(run_dirs: dict[str, list[Path]], out_png: Path, title: str)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="plot_lr_transfer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", type=Path, help="results.csv of `megatron-md lr-sweep`")
-    ap.add_argument("--out", type=Path, default=None, help="PNG (default: lr_transfer.png beside the CSV)")
+    ap.add_argument("results", type=Path, nargs="+", help="results.csv of `megatron-md lr-sweep`; several with "
+                    "--labels: one curve each (an axis other than width)")
+    ap.add_argument("--labels", help="Comma-separated, one per results.csv: plot them as curves of one figure "
+                    "(e.g. '4 experts,8 experts,16 experts')")
+    ap.add_argument("--out", type=Path, default=None, help="PNG (default: lr_transfer.png beside the first CSV)")
     a = ap.parse_args(argv)
-    if not a.results.is_file():
-        print(f"plot_lr_transfer: error: {a.results} not found", file=sys.stderr)
+    labels = [x.strip() for x in a.labels.split(",")] if a.labels else None
+    missing = [str(p) for p in a.results if not p.is_file()]
+    if missing or (len(a.results) > 1 or labels) and len(labels or []) != len(a.results):
+        why = f"{', '.join(missing)} not found" if missing else f"--labels gives {len(labels or [])} labels for " \
+            f"{len(a.results)} results.csv files: one each"
+        print(f"plot_lr_transfer: error: {why}", file=sys.stderr)
         return 2
-    out = a.out or a.results.with_name("lr_transfer.png")
+    out = a.out or a.results[0].with_name("lr_transfer.png")
     try:
-        plot_lr_transfer(a.results, out)
+        plot_lr_transfer(a.results[0], out, dict(zip(labels, a.results)) if labels else None)
     except ValueError as e:
         print(f"plot_lr_transfer: error: {e}", file=sys.stderr)
         return 2

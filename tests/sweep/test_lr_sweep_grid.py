@@ -408,3 +408,21 @@ def test_a_finished_cell_made_with_other_flags_is_never_replaced(tmp_path, capsy
     runner.refuse_changed(s, out, [cell], replace=True)  # --replace-changed lets it rerun
     result.write_text(json.dumps({"cell": cell.name, "status": "ok", "args": s.train_args(cell)}))
     runner.refuse_changed(s, out, [cell])  # the same flags: finished, skipped, nothing to refuse
+
+
+def test_plot_one_curve_per_series_for_an_axis_other_than_width(tmp_path, capsys):
+    from megatron_md.sweep import plot
+
+    csvs = []
+    for n, best in ((4, 8), (16, 9)):  # the number of experts: one sweep directory each, at one width
+        d = tmp_path / "experts" / str(n)
+        for k in (7, 8, 9, 10):
+            _fake(d, "muon_md", 128, G.lr_of_k(k), 1, 3.0, 3.0 + 0.01 * (k - best) ** 2)
+        R.write_all(d)
+        csvs.append(str(d / "results.csv"))
+    png = tmp_path / "experts.png"
+    assert plot.main([*csvs, "--labels", "4 experts,16 experts", "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert plot.main([*csvs, "--labels", "4 experts", "--out", str(png)]) == 2
+    assert "--labels gives 1 labels for 2 results.csv files" in capsys.readouterr().err
+    assert plot.main([*csvs, "--out", str(png)]) == 2  # several CSVs need their labels
