@@ -7,7 +7,7 @@
 # stopped cell too (--resume-cells: it checkpoints on SIGTERM and every 25 steps); two cells at a time (--jobs 2).
 # Each curve starts as three LRs a factor 2 apart around where width 64 (or the dense record at that width) put its
 # optimum, and --extend-edges walks it outwards until the optimum is strictly inside.
-# Cost per cell on one core of two busy ones: ~85 s at width 64, 6-8 min at 256.
+# Cost per cell on one core of two busy ones: ~85 s at width 64, 11-15 min at 256 (MuonMD).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/records/2026-12-07-moe-lr-transfer}
@@ -30,13 +30,17 @@ run_width 64 1,2,3 11:15 2:6 4:8
 sweep --widths 64 --seeds 1,2,3 --optimizers adamw --k-range adamw=7:9 --extend-edges 0
 sweep --widths 64 --seeds 1,2,3 --optimizers muon --k-range muon=5:7 --extend-edges 0 -- "${NS32[@]}"
 run_width 256 1,2,3 9:13 5:9 2:6  # around the dense record's width-256 optima (k=11, 7, 3)
+run_width 128 1,2,3 9:13 6:10 3:7  # between widths 64 and 256
 
 # The probe (does each curve rise by 2 standard errors a factor 2 either side of its optimum?): seeds 1-5 at the
 # optimum and its factor-2 neighbours, in checks/probe; seeds 1-3 are the record's own cells, copied.
 reuse() {  # copy the record's seed 1-3 cells of optimizer $1 at width $2, k from $3 to $4 (every second), into $5
   local k d
   for ((k = $3; k <= $4; k += 2)); do
-    for d in "$OUT/cells/$1-w$2-k$k-s"[123]-*; do [ -e "$5/cells/${d##*/}" ] || cp -r "$d" "$5/cells/"; done
+    for d in "$OUT/cells/$1-w$2-k$k-s"[123]-*; do
+      [ -e "$d" ] || continue
+      [ -e "$5/cells/${d##*/}" ] || cp -r "$d" "$5/cells/"
+    done
   done
 }
 probe() {  # width, then per optimizer the LO:HI of its probe
@@ -53,6 +57,25 @@ probe() {  # width, then per optimizer the LO:HI of its probe
 }
 probe 64 11:15 6:10 3:7
 
+# The expert-count axis at width 128 (top-2 of 4, 8 and 16 experts; MuonMD and AdamW), one --out per count: the
+# 8-expert sweep is the record's own width-128 cells, copied.
+experts() {  # number of experts, then the start ranges of muon_md and adamw
+  local e=(--out "$OUT/experts/$1" --widths 128 --seeds "1,2,3") n=(--num-experts "$1") d
+  mkdir -p "$OUT/experts/$1/cells"
+  if [ "$1" = 8 ]; then  # the recipe's own count: no flag, the same cells
+    n=()
+    for d in "$OUT"/cells/{muon_md,adamw}-w128-*; do
+      [ -e "$d" ] || continue
+      [ -e "$OUT/experts/8/cells/${d##*/}" ] || cp -r "$d" "$OUT/experts/8/cells/"
+    done
+  fi
+  sweep "${e[@]}" --optimizers muon_md --k-range "muon_md=$2" -- "${MDLR[@]}" "${n[@]}"
+  sweep "${e[@]}" --optimizers adamw --k-range "adamw=$3" -- "${n[@]}"
+}
+experts 8 9:13 6:10
+experts 4 9:13 6:10
+experts 16 9:13 6:10
+
 # The diagnostics reruns: each width's optimum, seed 1, with per-matrix relative updates and the expert load logged;
 # the dense ones rerun the dense record's cells (same flags, so each must end on that cell's loss).
 DIAG=(--diagnostics-interval 20 --log-update-norms)
@@ -64,4 +87,9 @@ diagnose() {  # family (moe or dense), width, then the best k of muon_md, adamw 
   CONFIG=$cfg sweep "${d[@]}" --optimizers muon --k-range "muon=$5:$5" -- "${NS32[@]}" "${DIAG[@]}"
 }
 diagnose moe 64 13 8 5
+diagnose dense 64 13 8 5  # the dense record's optima (records/2026-12-04-lr-transfer/optima.csv)
+diagnose dense 128 11 8 4
+diagnose dense 256 11 7 3
 .venv/bin/python tools/plot_lr_transfer.py "$OUT/results.csv"
+.venv/bin/python tools/plot_lr_transfer.py "$OUT"/experts/{4,8,16}/results.csv --labels "4 experts,8 experts,16 experts" \
+  --out "$OUT/experts.png"
