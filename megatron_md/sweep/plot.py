@@ -15,26 +15,30 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def _plot_rows(results_csv: Path, series: dict[str, Path] | None) -> list[dict]:
+    """The rows to draw; each series' rows get its index as their "width", so each draws as one curve."""
+    from megatron_md.sweep.results import read_csv
+
+    rows = [{**r, "width": i} for i, label in enumerate(series) for r in read_csv(series[label])] if series \
+        else read_csv(results_csv)
+    if not rows:
+        raise ValueError(f"{results_csv}: no finished cells to plot")
+    return rows
+
+
 def plot_lr_transfer(results_csv: Path, out_png: Path, series: dict[str, Path] | None = None) -> Path:
-    """Final loss vs LR, one panel per optimizer, one curve per width; with ``series`` ({label: results.csv}, one
-    width each: an axis other than width, such as the number of experts) one curve per label instead, and
-    ``results_csv`` is only where the CSV beside the plot comes from."""
+    """Final loss vs LR, a panel per optimizer, a curve per width, or per label of ``series`` ({label: results.csv
+    of one width}: another axis, the number of experts say; ``results_csv`` is then only copied beside the plot)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_md.sweep.results import curves, full_seed_points, read_csv
+    from megatron_md.sweep.results import curves, full_seed_points
 
     names = list(series or {})
-    if series:  # each series' rows get its index as their "width", so each draws as one curve
-        rows = [{**r, "width": i} for i, label in enumerate(names) for r in read_csv(series[label])]
-    else:
-        rows = read_csv(results_csv)
-    if not rows:
-        raise ValueError(f"{results_csv}: no finished cells to plot")
     by_opt = defaultdict(dict)
-    for key, value in curves(rows).items():
+    for key, value in curves(_plot_rows(results_csv, series)).items():
         by_opt[key[0]][key[1:]] = value
     opts = sorted(by_opt)
     widths = sorted({k[0] for d in by_opt.values() for k in d})
@@ -43,8 +47,7 @@ def plot_lr_transfer(results_csv: Path, out_png: Path, series: dict[str, Path] |
     fig, axes = plt.subplots(1, len(opts), figsize=(5.2 * len(opts), 4.2), squeeze=False)
     for ax, opt in zip(axes[0], opts):
         groups = by_opt[opt]
-        variants = sorted({k[1:] for k in groups})  # (warmup, wd) pairs: a line style each
-        styles = ["-", "--", ":", "-."]
+        variants, styles = sorted({k[1:] for k in groups}), ["-", "--", ":", "-."]  # (warmup, wd): a style each
         finite_y = []
         kinds = set()
         for (width, wu, wd), (kind, pts) in sorted(groups.items()):
