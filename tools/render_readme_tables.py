@@ -144,7 +144,10 @@ def render_moe_lr_transfer(repo: Path, rec: Path | None = None) -> str:
 
     rec = rec or R.latest(repo, "moe-lr-transfer")
     if rec is None:
-        return _no_record("moe-lr-transfer")
+        running = sorted(p for p in (Path(repo) / "records").glob("*-moe-lr-transfer") if R.in_progress(p))
+        return (f"_`{running[-1].relative_to(repo).as_posix()}` is in progress: [its README]"
+                f"({running[-1].relative_to(repo).as_posix()}/README.md) has the cells so far._"
+                if running else _no_record("moe-lr-transfer"))
     parts = [render_lr_transfer(repo, rec)]
     probe = rec / "checks" / "probe" / "results.csv"
     if probe.exists():  # the regime check, with more seeds than the record at its widths' optima

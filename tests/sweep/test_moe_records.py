@@ -140,3 +140,12 @@ def test_render_the_moe_block_and_its_claims(tmp_path):
     assert "MoE: MuonMD's best matrix LR stays within one √2 grid step across expert count (width 128) | **held**" \
         in claims
     assert "| MuonMD's best matrix LR stays within one √2 grid step across width |" in claims  # the dense one too
+
+
+def test_an_unfinished_moe_record_is_named_not_shown(tmp_path):
+    render = _load_renderer()
+    assert "No `records/*-moe-lr-transfer` yet" in render.render_moe_lr_transfer(tmp_path)
+    moe = _moe_record(tmp_path, {8: 12})
+    (moe / R.IN_PROGRESS).write_text("widths 128 and 256 left")
+    text = render.render_moe_lr_transfer(tmp_path)
+    assert text.startswith("_`records/2026-02-01-moe-lr-transfer` is in progress") and "| `muon_md` |" not in text
