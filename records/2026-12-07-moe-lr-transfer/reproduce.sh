@@ -7,7 +7,8 @@
 # stopped cell too (--resume-cells: it checkpoints on SIGTERM and every 25 steps); two cells at a time (--jobs 2).
 # Each curve starts as three LRs a factor 2 apart around where width 64 (or the dense record at that width) put its
 # optimum, and --extend-edges walks it outwards until the optimum is strictly inside.
-# Cost per cell on one core of two busy ones: ~85 s at width 64, 11-15 min at 256 (MuonMD).
+# Cost per cell on one core of two busy ones: 85-120 s at width 64, 2.5-4.5 min at 128, 6-15 min at 256 (AdamW the
+# cheapest, Muon about 11.5 min, MuonMD up to 15).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/records/2026-12-07-moe-lr-transfer}
@@ -43,19 +44,20 @@ reuse() {  # copy the record's seed 1-3 cells of optimizer $1 at width $2, k fro
     done
   done
 }
-probe() {  # width, then per optimizer the LO:HI of its probe
-  local w=$1 p=$OUT/checks/probe
+probe() {  # width, seeds, then per optimizer the LO:HI of its probe ("" leaves that optimizer out)
+  local w=$1 s=$2 p=$OUT/checks/probe
   mkdir -p "$p/cells"
-  reuse muon_md "$w" "${2%:*}" "${2#*:}" "$p"
-  reuse adamw "$w" "${3%:*}" "${3#*:}" "$p"
-  reuse muon "$w" "${4%:*}" "${4#*:}" "$p"
-  sweep --out "$p" --extend-edges 0 --widths "$w" --seeds 1,2,3,4,5 --optimizers muon_md --k-range "muon_md=$2" \
-    -- "${MDLR[@]}"
-  sweep --out "$p" --extend-edges 0 --widths "$w" --seeds 1,2,3,4,5 --optimizers adamw --k-range "adamw=$3"
-  sweep --out "$p" --extend-edges 0 --widths "$w" --seeds 1,2,3,4,5 --optimizers muon --k-range "muon=$4" \
-    -- "${NS32[@]}"
+  local o=(--out "$p" --extend-edges 0 --widths "$w" --seeds "$s")
+  if [ -n "$3" ]; then reuse muon_md "$w" "${3%:*}" "${3#*:}" "$p"; sweep "${o[@]}" --optimizers muon_md \
+    --k-range "muon_md=$3" -- "${MDLR[@]}"; fi
+  if [ -n "$4" ]; then reuse adamw "$w" "${4%:*}" "${4#*:}" "$p"; sweep "${o[@]}" --optimizers adamw \
+    --k-range "adamw=$4"; fi
+  if [ -n "$5" ]; then reuse muon "$w" "${5%:*}" "${5#*:}" "$p"; sweep "${o[@]}" --optimizers muon \
+    --k-range "muon=$5" -- "${NS32[@]}"; fi
 }
-probe 64 11:15 6:10 3:7
+probe 64 1,2,3,4,5 11:15 6:10 3:7
+probe 256 1,2,3 9:13 "" 2:6      # MuonMD and Muon bend with the record's own three seeds
+probe 256 1,2,3,4,5 "" 5:9 ""    # AdamW does not: seeds 4-5
 
 # The expert-count axis at width 128 (top-2 of 4, 8 and 16 experts; MuonMD and AdamW), one --out per count: the
 # 8-expert sweep is the record's own width-128 cells, copied.
@@ -87,6 +89,8 @@ diagnose() {  # family (moe or dense), width, then the best k of muon_md, adamw 
   CONFIG=$cfg sweep "${d[@]}" --optimizers muon --k-range "muon=$5:$5" -- "${NS32[@]}" "${DIAG[@]}"
 }
 diagnose moe 64 13 8 5
+diagnose moe 128 11 6 3
+diagnose moe 256 11 7 4
 diagnose dense 64 13 8 5  # the dense record's optima (records/2026-12-04-lr-transfer/optima.csv)
 diagnose dense 128 11 8 4
 diagnose dense 256 11 7 3
