@@ -162,7 +162,9 @@ def render_moe_lr_transfer(repo: Path, rec: Path | None = None) -> str:
     axis = M.expert_axis(rec)
     if axis:
         counts = sorted({n for per in axis.values() for n in per})
-        lines = ["Best LR per number of experts (top-2, one width; the same ladder and loss).", "",
+        rel = rec.relative_to(repo).as_posix()
+        lines = [f"Best LR per number of experts (top-2, one width; the same ladder and loss). From "
+                 f"`{rel}/experts/*/results.csv`; plot `{rel}/experts.png`.", "",
                  "| optimizer | " + " | ".join(f"{n} experts" for n in counts) + " |", "|---|" + "---|" * len(counts)]
         for opt in sorted(axis):
             lines.append(f"| `{opt}` | " + " | ".join(_best_cell(axis[opt].get(n)) for n in counts) + " |")
@@ -296,17 +298,20 @@ def render_claims(repo: Path, only: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def with_figures(render_table: Callable[..., str], kind: str, pattern: str, alt: str) -> Callable[[Path], str]:
+def with_figures(render_table: Callable[..., str], kind: str, pattern: str, alt: str,
+                 more: tuple[tuple[str, str], ...] = ()) -> Callable[[Path], str]:
     """``render_table`` followed by the record's figures matching ``pattern``, linked from the repository root
-    (``render`` makes the links relative to the page; a record's own README links its figures itself), for
-    each judged record of the kind, newest first."""
+    (``render`` makes the links relative to the page; a record's own README links its figures itself), then
+    those of each ``(pattern, alt)`` in ``more``, for each judged record of the kind, newest first."""
     def one(repo: Path, rec: Path | None) -> str:
         figures = sorted(rec.glob(pattern)) if rec is not None else []
 
         def link(f: Path) -> str:
             label = f" ({f.stem.partition('_')[2] or f.stem})" if len(figures) > 1 else ""  # spectra_lr0.1 -> lr0.1
             return f"![{alt}{label}]({f.relative_to(repo).as_posix()})"
-        return "\n\n".join([render_table(repo, rec), *map(link, figures)])
+        extra = [f"![{a}]({f.relative_to(repo).as_posix()})" for p, a in more for f in
+                 (sorted(rec.glob(p)) if rec is not None else [])]  # (pattern, alt) pairs after the main figures
+        return "\n\n".join([render_table(repo, rec), *map(link, figures), *extra])
 
     def block(repo: Path) -> str:
         recs = _records().judged(repo, kind)
@@ -331,7 +336,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "records_lr_transfer": with_figures(render_lr_transfer, "lr-transfer", "lr_transfer.png",
                                         "final loss vs LR per width, optimum marked"),
     "records_moe_lr_transfer": with_figures(render_moe_lr_transfer, "moe-lr-transfer", "lr_transfer.png",
-                                            "final loss vs LR per width on the MoE model, optimum marked"),
+                                            "final loss vs LR per width on the MoE model, optimum marked",
+                                            (("experts.png", "final loss vs LR per number of experts at width 128"),)),
     "records_md_ablations": with_figures(render_md_ablations, "md-ablations", "ablations.png",
                                          "final loss vs matrix LR per MuonMD variant"),
     "records_manifold": with_figures(render_manifold, "manifold-geometry", "spectra_*.png",

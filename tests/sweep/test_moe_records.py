@@ -123,6 +123,7 @@ def test_render_the_moe_block_and_its_claims(tmp_path):
     name = _diag_cell(tmp_path, "moe", "muon_md", 64, 12, 3.25, updates={"L0.router": 5e-3, "L0.expert1.fc1": 2e-3})
     _source_cell(moe, name, 3.25)
     _source_cell(dense, _diag_cell(tmp_path, "dense", "muon_md", 64, 12, 3.5, updates={"L0.mlp.fc1": 0.01}), 3.5000001)
+    (moe / "experts.png").write_bytes(b"")
     names = ["records_claims", "records_lr_transfer", "records_moe_lr_transfer"]
     readme = tmp_path / "README.md"
     readme.write_text("".join(f"<!-- BEGIN {n} -->\nSTALE\n<!-- END {n} -->\n\n" for n in names))
@@ -136,6 +137,8 @@ def test_render_the_moe_block_and_its_claims(tmp_path):
     assert "| dense | `muon_md` | 64 | 12 | – | 1.00e-02 | – | – | – | 3.5000 (cell +1.0e-07) |" in moe_block
     assert "over up to 3 seeds" in moe_block and "| muon_md | 64 | 0.064 | 4.7010 (3) | +0.0400 (" in moe_block
     assert "on the MoE model, optimum marked](records/2026-02-01-moe-lr-transfer/lr_transfer.png)" in moe_block
+    assert "per number of experts at width 128](records/2026-02-01-moe-lr-transfer/experts.png)" in moe_block
+    assert "`records/2026-02-01-moe-lr-transfer/experts/*/results.csv`" in moe_block
     claims = text.split("BEGIN records_claims")[1].split("END")[0]
     assert "MoE: MuonMD's best matrix LR stays within one √2 grid step across expert count (width 128) | **held**" \
         in claims
