@@ -163,11 +163,17 @@ def render_moe_lr_transfer(repo: Path, rec: Path | None = None) -> str:
     if axis:
         counts = sorted({n for per in axis.values() for n in per})
         rel = rec.relative_to(repo).as_posix()
-        lines = [f"Best LR per number of experts (top-2, one width; the same ladder and loss). From "
+        load = M.expert_load(rec)
+        lines = [f"Best LR per number of experts (top-2, one width; the same ladder and loss), and at that LR the "
+                 f"expert load (busiest/idlest expert over the mean, averaged over the logged steps and seeds). From "
                  f"`{rel}/experts/*/results.csv`; plot `{rel}/experts.png`.", "",
                  "| optimizer | " + " | ".join(f"{n} experts" for n in counts) + " |", "|---|" + "---|" * len(counts)]
+
+        def cell(opt: str, n: int) -> str:
+            hi_lo = load.get(opt, {}).get(n)
+            return _best_cell(axis[opt].get(n)) + (f"; load {hi_lo[0]:.2f}/{hi_lo[1]:.2f}" if hi_lo else "")
         for opt in sorted(axis):
-            lines.append(f"| `{opt}` | " + " | ".join(_best_cell(axis[opt].get(n)) for n in counts) + " |")
+            lines.append(f"| `{opt}` | " + " | ".join(cell(opt, n) for n in counts) + " |")
         parts.append("\n".join(lines))
     diag = M.diagnostics(rec, R.latest(repo, "lr-transfer"))
     if diag:

@@ -51,6 +51,22 @@ def expert_axis(record: Path) -> dict[str, dict[int, Best]]:
     return out
 
 
+def expert_load(record: Path) -> dict[str, dict[int, tuple[float, float]]]:
+    """optimizer -> number of experts -> the mean (busiest, idlest) expert load over the mean load, averaged over
+    the logged steps and the seeds of its best LR: every MoE cell logs the load, so this needs no rerun."""
+    out: dict[str, dict[int, tuple[float, float]]] = {}
+    for opt, per in expert_axis(record).items():
+        for n, best in per.items():
+            sweep = Path(record) / "experts" / str(n)
+            logs = [sweep / "cells" / row["cell"] / "metrics.jsonl" for row in read_csv(sweep / "results.csv")
+                    if row["optimizer"] == opt and row["k"] == best.k]
+            loads = [(r["moe_expert_load_max"], r["moe_expert_load_min"]) for log in logs if log.exists()
+                     for r in _read_metrics(log) if "moe_expert_load_max" in r]
+            if loads:
+                out.setdefault(opt, {})[n] = (fmean(hi for hi, _ in loads), fmean(lo for _, lo in loads))
+    return out
+
+
 def claims(record: Path, rel: str) -> list[Claim]:
     """The width claims on the MoE model, then the expert-count one."""
     out = lr_transfer_claims(record, rel, scope="MoE: ")

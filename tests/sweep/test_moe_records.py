@@ -145,6 +145,22 @@ def test_render_the_moe_block_and_its_claims(tmp_path):
     assert "| MuonMD's best matrix LR stays within one √2 grid step across width |" in claims  # the dense one too
 
 
+def test_expert_load_is_read_from_the_cells_at_the_best_lr(tmp_path):
+    rec = _moe_record(tmp_path, {4: 12, 8: 12})
+    for seed, (hi, lo) in ((1, (1.2, 0.8)), (2, (1.4, 0.6))):  # at the best k; k=11 is not the optimum
+        for k in (12, 11):
+            cell = rec / "experts" / "8" / "cells" / f"muon_md-w128-k{k}-s{seed}"
+            cell.mkdir(parents=True)
+            log = [{"iteration": 10, "lm_loss": 5.0}, {"iteration": 10, "moe_expert_load_max": hi + k - 12,
+                                                        "moe_expert_load_min": lo}]
+            (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    load = M.expert_load(rec)
+    assert load["muon_md"][8] == pytest.approx((1.3, 0.7)) and 4 not in load["muon_md"] and "adamw" not in load
+    block = _load_renderer().render_moe_lr_transfer(tmp_path, rec)
+    assert "| `muon_md` | k=12 (0.064): 4.7000 ± 0.0007 (n=2) | k=12 (0.064): 4.7000 ± 0.0007 (n=2); load 1.30/0.70 |" \
+        in block
+
+
 def test_an_unfinished_moe_record_is_named_not_shown(tmp_path):
     render = _load_renderer()
     assert "No `records/*-moe-lr-transfer` yet" in render.render_moe_lr_transfer(tmp_path)
