@@ -57,7 +57,7 @@ probe() {  # width, seeds, then per optimizer the LO:HI of its probe ("" leaves 
 }
 probe 64 1,2,3,4,5 11:15 6:10 3:7
 probe 256 1,2,3 9:13 "" 2:6      # MuonMD and Muon bend with the record's own three seeds
-probe 256 1,2,3,4,5 "" 5:9 ""    # AdamW does not: seeds 4-5
+probe 256 1,2,3,4,5 "" 5:9 ""    # AdamW does not: seeds 4-5 (not run for the kept record; its README says so)
 
 # The expert-count axis at width 128 (top-2 of 4, 8 and 16 experts; MuonMD and AdamW), one --out per count: the
 # 8-expert sweep is the record's own width-128 cells, copied.
@@ -90,7 +90,7 @@ diagnose() {  # family (moe or dense), width, then the best k of muon_md, adamw 
 }
 diagnose moe 64 13 8 5
 diagnose moe 128 11 6 3
-diagnose moe 256 11 7 4
+diagnose moe 256 11 7 4  # Muon's (k=4) was not run for the kept record
 diagnose dense 64 13 8 5  # the dense record's optima (records/2026-12-04-lr-transfer/optima.csv)
 diagnose dense 128 11 8 4
 diagnose dense 256 11 7 3
