@@ -72,11 +72,14 @@ def test_layer_wise_distributed_optimizer(tmp_path):
     weights are projected at load (gains exactly 1) rather than kept: kept in bf16 they are off their spheres by
     bf16 rounding, their gains 1 +- 1e-4, and the per-matrix and batched steps multiply by them in different
     orders (step 3 differs by 2e-5 of loss).
+    All three runs take the batched step: the per-matrix step is within one bf16 unit of it on the weights
+    (tests/parallel/test_engine_layouts.py), which on some CPUs moves the step-3 loss by 2e-5 of itself (seen
+    2026-12-07: DP1 and DP2 equal to every digit under either step, the two steps 1.7e-4 apart at 8.8).
     """
     seed = _seed(tmp_path, "tiny-dense")
     run = ["--model", "tiny-dense", "--pretrained-checkpoint", str(seed), "--train-iters", "3", "--bf16",
            "--clip-grad", "0", "--md-loaded-weights", "project"]  # gains exactly 1: see below
-    ref = _losses(tmp_path, "lw-dp1", 1, *run, "--use-distributed-optimizer", PER_MATRIX)
+    ref = _losses(tmp_path, "lw-dp1", 1, *run, "--use-distributed-optimizer")
     _same(_losses(tmp_path, "lw-dp2", 2, *run, "--use-distributed-optimizer"), ref)
     _same(_losses(tmp_path, "plain-dp1", 1, *run), ref)
 
